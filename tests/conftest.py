@@ -1,0 +1,35 @@
+"""Shared fixtures: long-lived rank pools of 2 and 4 gloo ranks (see tests/multirank.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.multirank import RankPool
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """Pools are created on first use and shut down at the end of the session."""
+    made: dict[int, RankPool] = {}
+    yield lambda n: made.setdefault(n, RankPool(n))
+    for pool in made.values():
+        pool.shutdown()
+
+
+@pytest.fixture(params=[2, 4], ids=["world2", "world4"])
+def ranks(request, pools) -> RankPool:
+    """A pool of 2, then of 4, ranks."""
+    return pools(request.param)
+
+
+@pytest.fixture
+def ranks2(pools) -> RankPool:
+    return pools(2)
+
+
+@pytest.fixture
+def ranks4(pools) -> RankPool:
+    return pools(4)

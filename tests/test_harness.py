@@ -1,0 +1,92 @@
+"""Self-tests of the multi-rank harness: failures are fast and attributed, hangs are cut, the pool recovers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.multirank import RankFailure
+
+
+def _rank_and_sum(rank, world):
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, dist.get_world_size(), t.item()
+
+
+def _rank1_raises_while_peers_block(rank, world):
+    import torch
+    import torch.distributed as dist
+    if rank == 1:
+        raise ValueError("boom from rank one")
+    dist.all_reduce(torch.ones(1))  # peers block here: rank 1 never joins
+
+
+def _rank0_hangs(rank, world):
+    import threading
+    if rank == 0:
+        threading.Event().wait()  # never set: a hang
+    return rank
+
+
+def _rank1_skips(rank, world):
+    if rank == 1:
+        pytest.skip("rank 1 has no GPU")
+    return rank
+
+
+def _rank1_dies(rank, world):
+    import os
+    import torch
+    import torch.distributed as dist
+    if rank == 1:
+        os._exit(7)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_runs_on_every_rank_and_returns_by_rank(ranks):
+    out = ranks.run(_rank_and_sum)
+    n = ranks.world_size
+    assert out == [(r, n, float(sum(range(n)))) for r in range(n)]
+
+
+def test_rank_that_raises_fails_fast_with_its_traceback(ranks2):
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 of 2 raised") as info:
+        ranks2.run(_rank1_raises_while_peers_block, timeout=60)
+    assert time.monotonic() - started < 10
+    assert "boom from rank one" in str(info.value) and "Traceback" in str(info.value)
+    assert ranks2.run(_rank_and_sum)[1] == (1, 2, 1.0)  # the next call gets a rebuilt pool
+
+
+def test_hang_is_cut_by_the_deadline_and_reported(ranks2):
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=r"deadline passed; rank\(s\) \[0\] did not finish") as info:
+        ranks2.run(_rank0_hangs, timeout=2)
+    assert time.monotonic() - started < 10
+    assert "stack of rank 0" in str(info.value) and "_rank0_hangs" in str(info.value)
+    assert ranks2.run(_rank_and_sum)[0] == (0, 2, 1.0)
+
+
+def test_dead_rank_is_reported(ranks2):
+    with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] died \(exit codes \{1: 7\}\)"):
+        ranks2.run(_rank1_dies, timeout=30)
+    assert ranks2.run(_rank_and_sum)[1][2] == 1.0
+
+
+def test_skip_on_one_rank_skips_the_test(ranks2):
+    with pytest.raises(pytest.skip.Exception, match="rank 1 has no GPU"):
+        ranks2.run(_rank1_skips)
+    starts = ranks2.starts
+    assert ranks2.run(_rank_and_sum)[0][2] == 1.0
+    assert ranks2.starts == starts  # a clean skip does not cost a rebuild
+
+
+def test_pool_is_reused_between_calls(ranks2):
+    ranks2.run(_rank_and_sum)
+    starts = ranks2.starts
+    for _ in range(3):
+        ranks2.run(_rank_and_sum)
+    assert ranks2.starts == starts

@@ -1,0 +1,37 @@
+"""zero_buffers: keep PyTorch module buffers correct across ranks (DeepSpeed ZeRO-3, DDP, Accelerate)."""
+
+__version__ = "0.1.0"
+
+from .bn_average import average_bn_stats
+from .broadcast import broadcast_buffers
+from .errors import (
+    BufferStructureError,
+    BuffersOutOfSyncError,
+    CollectiveError,
+    DeepSpeedUnavailableError,
+    DistributedSetupError,
+    InvalidArgumentError,
+    InvalidSourceRankError,
+    UnsupportedDeviceError,
+    ZeroBuffersError,
+)
+from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
+
+__all__ = [
+    "BufferReport",
+    "BufferRow",
+    "BufferStructureError",
+    "BuffersOutOfSyncError",
+    "CollectiveError",
+    "DeepSpeedUnavailableError",
+    "DistributedSetupError",
+    "InvalidArgumentError",
+    "InvalidSourceRankError",
+    "UnsupportedDeviceError",
+    "ZeroBuffersError",
+    "__version__",
+    "assert_buffers_in_sync",
+    "average_bn_stats",
+    "broadcast_buffers",
+    "buffer_report",
+]

@@ -1,0 +1,330 @@
+"""Private distributed plumbing: group resolution, buffer collection, structure agreement, bucketed collectives."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .errors import (
+    BufferStructureError,
+    CollectiveError,
+    DistributedSetupError,
+    InvalidArgumentError,
+    InvalidSourceRankError,
+    UnsupportedDeviceError,
+)
+
+Timeout = float | datetime.timedelta | None
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group resolved for one call: this rank's place in it and the backend's device."""
+
+    pg: Any
+    rank: int
+    ranks: tuple[int, ...]
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def device(self) -> torch.device:
+        """Device for the small control tensors (nccl only carries CUDA tensors)."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def resolve_group(group: Any = None) -> Group | None:
+    """Resolve ``group``; ``None`` means nothing to synchronise (not distributed, world 1, or not a member)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+        if env_world.isdigit() and int(env_world) > 1:
+            raise DistributedSetupError(
+                f"WORLD_SIZE={env_world} is set but torch.distributed has no process group; call "
+                "torch.distributed.init_process_group (or deepspeed.init_distributed) first"
+            )
+        return None
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    if len(ranks) <= 1:
+        return None
+    return Group(pg=group, rank=dist.get_rank(), ranks=ranks, backend=str(dist.get_backend(pg)))
+
+
+def check_src(g: Group | None, src: int) -> None:
+    """Raise InvalidSourceRankError unless ``src`` is a global rank in the group (before any collective)."""
+    if isinstance(src, bool) or not isinstance(src, int):
+        raise InvalidSourceRankError(f"src must be an int global rank, got {src!r}")
+    if g is None:
+        if dist.is_available() and dist.is_initialized():
+            return  # not a member of the group, or world 1: the call is a no-op
+        if src != 0:
+            raise InvalidSourceRankError(f"src={src} but torch.distributed is not initialised (the only rank is 0)")
+        return
+    if src not in g.ranks:
+        world = dist.get_world_size()
+        where = f"out of range for world size {world}" if not 0 <= src < world else f"not in the group {list(g.ranks)}"
+        raise InvalidSourceRankError(f"src={src} is {where} (rank {g.rank})")
+
+
+def check_module(module: Any, fn: str) -> nn.Module:
+    """Raise InvalidArgumentError unless ``module`` is an nn.Module."""
+    if isinstance(module, nn.Module):
+        return module
+    hint = " (pass the module that owns it, not a parameter or tensor)" if isinstance(module, torch.Tensor) else ""
+    raise InvalidArgumentError(f"{fn}() expects a torch.nn.Module, got {type(module).__name__}{hint}")
+
+
+def _ignored(name: str, ignore: frozenset[str]) -> bool:
+    """True when ``name`` or one of its module prefixes is in ``ignore``."""
+    if name in ignore:
+        return True
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in ignore for i in range(1, len(parts)))
+
+
+def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
+                  persistent_only: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Buffers (then plain, non-ZeRO parameters if asked) by qualified name; None and aliases skipped."""
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    skip = frozenset(ignore)
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for key, buf in mod._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            if persistent_only and key in mod._non_persistent_buffers_set:
+                continue
+            name = f"{mod_name}.{key}" if mod_name else key
+            if not _ignored(name, skip):
+                seen.add(id(buf))
+                out.append((name, buf))
+    if include_parameters:
+        for name, p in module.named_parameters(remove_duplicate=True):
+            if not hasattr(p, "ds_id") and not _ignored(name, skip):  # ZeRO parameters belong to DeepSpeed
+                out.append((name, p))
+    return out
+
+
+def is_persistent(module: nn.Module, name: str) -> bool:
+    """Whether the buffer (or parameter) at qualified ``name`` is saved in ``state_dict``."""
+    mod_name, _, key = name.rpartition(".")
+    mod = module.get_submodule(mod_name) if mod_name else module
+    return key in mod._parameters or key not in mod._non_persistent_buffers_set
+
+
+def describe(t: torch.Tensor) -> str:
+    """``float32[64] cpu``: what structure agreement compares."""
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} {t.device.type}"
+
+
+def _digest(data: bytes | memoryview) -> int:
+    """Signed 64-bit blake2b digest."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def wait_all(works: Sequence[Any], timeout: Timeout, what: str) -> None:
+    """Wait for async collectives; a failure or timeout becomes CollectiveError."""
+    td = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    try:
+        for w in works:
+            w.wait() if td is None else w.wait(timeout=td)
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"{what} failed on rank {dist.get_rank()}: {e}. No buffer was modified; the process group may be "
+            "unusable now (a peer died or stalled)"
+        ) from e
+
+
+def all_gather_tensor(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> list[torch.Tensor]:
+    """all_gather one tensor; returns the list in group order."""
+    out = [torch.empty_like(t) for _ in range(g.size)]
+    wait_all([dist.all_gather(out, t, group=g.pg, async_op=True)], timeout, what)
+    return out
+
+
+def agree_on_structure(g: Group, call: tuple, entries: list[tuple[str, str]], timeout: Timeout, what: str) -> None:
+    """Raise the same BufferStructureError on every rank unless all ranks pass equal ``call`` and ``entries``.
+
+    One all_gather of a 64-bit digest; only on mismatch a second gather of the full structure builds the message.
+    """
+    mine = _digest(repr((call, entries)).encode())
+    digests = all_gather_tensor(g, torch.tensor([mine], dtype=torch.int64, device=g.device), timeout, what)
+    if all(int(d.item()) == mine for d in digests):
+        return
+    objs: list[Any] = [None] * g.size
+    try:
+        dist.all_gather_object(objs, (call, entries), group=g.pg)
+    except RuntimeError as e:
+        raise CollectiveError(f"{what}: gathering the differing structure failed on rank {g.rank}: {e}") from e
+    raise _mismatch_error(what, list(g.ranks), objs)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _by_value(ranks: list[int], values: list[str]) -> str:
+    """``ranks 0, 2: float32[4] cpu; rank 1: missing``."""
+    groups: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{_ranks_text(rs)}: {v}" for v, rs in groups.items())
+
+
+def _mismatch_error(what: str, ranks: list[int], objs: list[Any]) -> BufferStructureError:
+    """Build the deterministic, identical-on-every-rank error for differing structures."""
+    calls = [o[0] for o in objs]
+    if any(c != calls[0] for c in calls):
+        details = dict(zip(ranks, map(repr, calls)))
+        return BufferStructureError(
+            f"{what}: ranks called it with different arguments: {_by_value(ranks, list(details.values()))}",
+            None, details)
+    tables = [dict(o[1]) for o in objs]
+    order: list[str] = []
+    for o in objs:
+        order += [n for n, _ in o[1] if n not in order]
+    for name in order:
+        values = [t.get(name, "missing") for t in tables]
+        if any(v != values[0] for v in values):
+            kind = "missing on some ranks" if "missing" in values else _which_differs(values)
+            n_more = sum(1 for n in order if len({t.get(n, "missing") for t in tables}) > 1) - 1
+            more = f" ({n_more} more differing entries)" if n_more > 0 else ""
+            return BufferStructureError(
+                f"{what}: buffer structure differs across ranks at '{name}' ({kind}): "
+                f"{_by_value(ranks, values)}{more}. No buffer was modified.",
+                name, dict(zip(ranks, values)))
+    names = [[n for n, _ in o[1]] for o in objs]
+    pos = next(i for i in range(len(names[0])) if any(ns[i] != names[0][i] for ns in names))
+    values = [f"'{ns[pos]}' at position {pos}" for ns in names]
+    return BufferStructureError(
+        f"{what}: ranks register the same buffers in a different order: {_by_value(ranks, values)}. "
+        "No buffer was modified.", names[0][pos], dict(zip(ranks, values)))
+
+
+def _which_differs(values: list[str]) -> str:
+    """Name the attribute (dtype, shape, device) that differs between descriptions."""
+    parts = [v.replace("[", " [", 1).split(" ") for v in values]
+    labels = ("dtype", "shape", "device")
+    diff = [lab for i, lab in enumerate(labels) if len({p[i] if i < len(p) else "" for p in parts}) > 1]
+    return " and ".join(diff) + " differs" if diff else "differs"
+
+
+def reject_meta(entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
+    """Raise InvalidArgumentError if any tensor lives on the meta device (it has no data)."""
+    meta = [n for n, t in entries if t.is_meta]
+    if meta:
+        raise InvalidArgumentError(
+            f"{fn}(): {len(meta)} tensor(s) are on the meta device and hold no data, e.g. '{meta[0]}'. "
+            "Materialise the module (to_empty + load, or build it outside a meta-device context) first")
+
+
+def check_backend_devices(g: Group, entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
+    """Raise UnsupportedDeviceError for tensors the backend cannot carry (CPU tensors on nccl)."""
+    if g.backend == "nccl":
+        bad = [n for n, t in entries if t.device.type != "cuda"]
+        if bad:
+            raise UnsupportedDeviceError(
+                f"{fn}(): the process group's backend is nccl, which carries CUDA tensors only, but "
+                f"{len(bad)} tensor(s) are not on CUDA, e.g. '{bad[0]}'. Move the module to the GPU or pass a "
+                "gloo group (torch.distributed.new_group(backend='gloo'))")
+
+
+def _wire(flat: torch.Tensor) -> torch.Tensor:
+    """A bit-exact view of a flat tensor in a dtype every backend carries."""
+    if flat.is_complex():
+        return torch.view_as_real(flat)
+    if flat.element_size() == 1 and flat.dtype not in (torch.uint8, torch.int8, torch.bool):
+        return flat.view(torch.uint8)  # float8 and friends
+    if flat.dtype in (torch.uint16, torch.uint32, torch.uint64, torch.int16):
+        return flat.view(torch.uint8)
+    return flat
+
+
+def buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in first-seen order."""
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.device, t.dtype), []).append(i)
+    return out
+
+
+def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate detached tensors into one flat tensor (a copy)."""
+    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0)
+
+
+def broadcast_coalesced(g: Group, tensors: Sequence[torch.Tensor], src: int, timeout: Timeout, what: str) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` in place: one collective per (device, dtype) bucket.
+
+    All buckets are received into fresh flat tensors first; buffers are written only after every
+    collective has completed, so a failed call leaves every tensor unchanged.
+    """
+    works, staged = [], []
+    for (device, dtype), idx in buckets(tensors).items():
+        ts = [tensors[i] for i in idx]
+        numel = sum(t.numel() for t in ts)
+        if numel == 0:
+            continue
+        flat = flatten(ts) if g.rank == src else torch.empty(numel, dtype=dtype, device=device)
+        works.append(dist.broadcast(_wire(flat), src=src, group=g.pg, async_op=True))
+        staged.append((ts, flat))
+    wait_all(works, timeout, what)
+    if g.rank == src:
+        return
+    with torch.no_grad():
+        for ts, flat in staged:
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+
+def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Timeout,
+                         what: str) -> list[list[torch.Tensor]]:
+    """All-gather ``tensors``: result[i][j] is group member j's copy of tensor i. One collective per bucket."""
+    result: list[list[torch.Tensor]] = [[] for _ in tensors]
+    works, staged = [], []
+    for (device, dtype), idx in buckets(tensors).items():
+        flat = flatten([tensors[i] for i in idx]).to(device)
+        outs = [torch.empty_like(flat) for _ in range(g.size)]
+        works.append(dist.all_gather([_wire(o) for o in outs], _wire(flat), group=g.pg, async_op=True))
+        staged.append((idx, outs))
+    wait_all(works, timeout, what)
+    for idx, outs in staged:
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel()
+            result[i] = [o[offset:offset + n].view(tensors[i].shape) for o in outs]
+            offset += n
+    return result
+
+
+def all_reduce_sum(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> torch.Tensor:
+    """Sum ``t`` across the group in place (one collective) and return it."""
+    wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)], timeout, what)
+    return t
+
+
+def content_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 64-bit blake2b digest per tensor over its raw bytes (bitwise equality, NaN payloads included)."""
+    out = []
+    for t in tensors:
+        raw = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
+        out.append(_digest(memoryview(raw.numpy())) if raw.numel() else 0)
+    return torch.tensor(out, dtype=torch.int64)

@@ -1,0 +1,54 @@
+"""Exceptions raised by zero_buffers: one root class, a subclass wherever a caller must tell errors apart."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class ZeroBuffersError(RuntimeError):
+    """Root of every error zero_buffers raises on purpose."""
+
+
+class InvalidArgumentError(ZeroBuffersError, TypeError):
+    """An argument has the wrong type or value (not a module, a bad ``src``, a meta tensor ...)."""
+
+
+class InvalidSourceRankError(InvalidArgumentError, ValueError):
+    """``src`` is out of range or not a member of the process group. Raised before any collective."""
+
+
+class DistributedSetupError(ZeroBuffersError):
+    """torch.distributed is not usable as the call needs (e.g. WORLD_SIZE > 1 but no process group)."""
+
+
+class UnsupportedDeviceError(ZeroBuffersError):
+    """A tensor lives on a device the process group's backend cannot carry (CPU tensors on nccl)."""
+
+
+class BufferStructureError(ZeroBuffersError):
+    """Ranks disagree on which buffers exist, their order, shapes, dtypes or devices.
+
+    Raised identically on every rank before any data moves; no buffer is modified.
+    ``name`` is the first differing buffer (or ``None`` when the call arguments differ) and
+    ``details`` maps each rank to its description of that buffer.
+    """
+
+    def __init__(self, message: str, name: str | None = None, details: dict[int, str] | None = None):
+        super().__init__(message)
+        self.name = name
+        self.details = details or {}
+
+
+class BuffersOutOfSyncError(ZeroBuffersError):
+    """Buffers hold different values on different ranks. ``report`` is the full :class:`BufferReport`."""
+
+    def __init__(self, message: str, report: Any = None):
+        super().__init__(message)
+        self.report = report
+
+
+class CollectiveError(ZeroBuffersError):
+    """A collective failed or timed out (a peer died or stalled). Buffers were left unchanged."""
+
+
+class DeepSpeedUnavailableError(ZeroBuffersError):
+    """A ZeRO-3 feature was asked for but DeepSpeed cannot be imported."""
