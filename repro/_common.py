@@ -1,0 +1,60 @@
+"""Shared plumbing for the repro scripts: process-group setup from torchrun's environment and the BUG / FIX table."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def setup(seed: int = 0) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes; returns (rank, world_size, device for tensors)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    backend = os.environ.get("ZB_BACKEND") or ("nccl" if torch.cuda.is_available() and
+                                               torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", 1))
+                                               else "gloo")
+    if backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    torch.manual_seed(seed)
+    return rank, dist.get_world_size(), device
+
+
+@dataclass
+class Table:
+    """Rows of (kind, case, measurements..., ok); printed once by rank 0."""
+
+    title: str
+    columns: list[str]
+    rows: list[tuple[str, str, list[str], bool]] = field(default_factory=list)
+
+    def add(self, kind: str, case: str, values: list[object], ok: bool) -> None:
+        self.rows.append((kind, case, [v if isinstance(v, str) else f"{v:.4g}" for v in values], bool(ok)))
+
+    def render(self) -> str:
+        head = ["", "case", *self.columns, "holds"]
+        body = [[k, c, *v, "yes" if ok else "NO"] for k, c, v, ok in self.rows]
+        widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [self.title, fmt.format(*head), fmt.format(*["-" * w for w in widths])]
+        return "\n".join([*lines, *(fmt.format(*r) for r in body)])
+
+    def finish(self) -> None:
+        """Print on rank 0, tear down, exit non-zero (on every rank) if a row does not hold."""
+        ok = all(r[3] for r in self.rows)
+        if dist.get_rank() == 0:
+            print(self.render(), flush=True)
+            print(f"RESULT: {'all fixes hold' if ok else 'A FIX DOES NOT HOLD'}", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(0 if ok else 1)

@@ -1,0 +1,58 @@
+"""Tiny models and comparisons shared by the tests (imported inside rank workers too)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Toy(nn.Module):
+    """BatchNorms plus every kind of buffer we care about: random codebook, non-persistent, int, bf16, bool, None."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.register_buffer("codebook", torch.randn(8, 4))
+        self.register_buffer("rope", torch.randn(6), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("bf16", torch.randn(5).to(torch.bfloat16))
+        self.register_buffer("f16", torch.randn(3).half())
+        self.register_buffer("mask", torch.zeros(4, dtype=torch.bool))
+        self.register_buffer("nothing", None)
+
+    def forward(self, x):
+        x = self.bn(self.conv(x)).mean((2, 3))
+        return self.head(x)
+
+
+def scramble(module: nn.Module, seed: int) -> nn.Module:
+    """Give every buffer and parameter seed-dependent values (different per rank)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for t in list(module.buffers()) + list(module.parameters()):
+            if t.dtype == torch.bool:
+                t.copy_(torch.rand(t.shape, generator=g) > 0.5)
+            elif t.is_floating_point():
+                t.copy_(torch.rand(t.shape, generator=g) * 4 + 0.5)
+            else:
+                t.copy_(torch.randint(0, 1000, t.shape, generator=g))
+    return module
+
+
+def buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in module.named_buffers()}
+
+
+def params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)

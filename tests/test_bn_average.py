@@ -1,0 +1,97 @@
+"""average_bn_stats: exact mixture statistics across 2 and 4 real gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_buffers as zb
+
+
+def _bn_zoo(dtype=torch.float32):
+    return nn.ModuleDict({
+        "b1": nn.BatchNorm1d(5), "b2": nn.BatchNorm2d(3), "b3": nn.BatchNorm3d(2), "sync": nn.SyncBatchNorm(4),
+        "untracked": nn.BatchNorm1d(3, track_running_stats=False),
+    }).to(dtype)
+
+
+def _set_stats(rank, dtype):
+    """Rank-specific running stats and counters; returns (model, per-layer (n, mean, var) in float64)."""
+    model = _bn_zoo(dtype)
+    g = torch.Generator().manual_seed(rank)
+    local = {}
+    with torch.no_grad():
+        for name, m in model.items():
+            if m.running_mean is None:
+                continue
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 3 + rank)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) * 2 + 0.1)
+            m.num_batches_tracked.fill_(rank + 1 + (name == "b2") * 10)
+            local[name] = (int(m.num_batches_tracked), m.running_mean.double().clone(), m.running_var.double().clone())
+    return model, local
+
+
+def _average(rank, world, dtype):
+    model, local = _set_stats(rank, dtype)
+    merged = zb.average_bn_stats(model)
+    out = {n: (int(m.num_batches_tracked), m.running_mean.clone(), m.running_var.clone())
+           for n, m in model.items() if m.running_mean is not None}
+    return local, out, merged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_matches_float64_reference_on_every_rank(ranks, dtype):
+    out = ranks.run(_average, dtype)
+    locals_ = [o[0] for o in out]
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float64: 1e-12}[dtype]
+    for name in locals_[0]:
+        n = torch.tensor([loc[name][0] for loc in locals_], dtype=torch.float64)
+        means = torch.stack([loc[name][1] for loc in locals_])
+        vars_ = torch.stack([loc[name][2] for loc in locals_])
+        w = (n / n.sum())[:, None]
+        mean = (w * means).sum(0)
+        var = (w * vars_).sum(0) + (w * (means - mean) ** 2).sum(0)
+        for _, result, merged in out:
+            assert merged == 4
+            count, got_mean, got_var = result[name]
+            assert count == int(n.sum())
+            torch.testing.assert_close(got_mean.double(), mean, rtol=tol, atol=tol)
+            torch.testing.assert_close(got_var.double(), var, rtol=tol, atol=tol)
+    for _, result, _ in out[1:]:  # bitwise identical across ranks
+        assert all(torch.equal(result[k][1], out[0][1][k][1]) and torch.equal(result[k][2], out[0][1][k][2])
+                   for k in result)
+
+
+def _shifted_shards(rank, world, n_samples):
+    """Each rank: one forward, momentum=None, over n_samples drawn around a rank-specific mean."""
+    torch.manual_seed(1234)
+    data = [torch.randn(n_samples, 3) * (1 + r) + 4.0 * r for r in range(world)]  # every rank can rebuild all
+    bn = nn.BatchNorm1d(3, momentum=None)
+    bn.train()
+    with torch.no_grad():
+        bn(data[rank])
+    naive_var = bn.running_var.clone()
+    torch.distributed.all_reduce(naive_var)
+    naive_var /= world  # what timm's distribute_bn(reduce=True) computes
+    zb.average_bn_stats(bn)
+    full = torch.cat(data)
+    return bn.running_mean.clone(), bn.running_var.clone(), naive_var, full.mean(0), full.var(0)
+
+
+def test_shifted_large_shards_exact_where_naive_average_is_far_off(ranks):
+    for mean, var, naive, true_mean, true_var in ranks.run(_shifted_shards, 2000):
+        torch.testing.assert_close(mean, true_mean, rtol=1e-4, atol=1e-4)
+        assert ((var - true_var).abs() / true_var).max() < 0.02
+        assert ((naive - true_var).abs() / true_var).min() > 0.4  # naive average ignores the spread of means
+
+
+def _nothing_tracked(rank, world):
+    bn = nn.BatchNorm1d(2)
+    with torch.no_grad():
+        bn.running_mean.fill_(rank)
+    return zb.average_bn_stats(bn), bn.running_mean.clone()
+
+
+def test_layers_no_rank_updated_are_left_alone(ranks2):
+    (n0, m0), (n1, m1) = ranks2.run(_nothing_tracked)
+    assert (n0, n1) == (0, 0) and m0.tolist() == [0, 0] and m1.tolist() == [1, 1]

@@ -1,0 +1,93 @@
+"""buffer_report / assert_buffers_in_sync on 2 and 4 real gloo ranks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import zero_buffers as zb
+from tests.helpers import Toy, scramble
+
+
+def _report(rank, world, differ_on, atol=0.0):
+    """Identical buffers except: 'codebook' +0.5*rank on ``differ_on`` ranks, 'steps' +rank, bf16 NaN on rank 1."""
+    torch.manual_seed(0)
+    model = scramble(Toy(), 0)
+    with torch.no_grad():
+        if rank in differ_on:
+            model.codebook[2, 1] += 0.5 * rank
+            model.steps += rank
+        if rank == 1:
+            model.bf16[0] = float("nan")
+    calls = []
+    import torch.distributed as dist
+    real = dist.all_gather
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_gather = counting
+    try:
+        report = zb.buffer_report(model, atol=atol)
+    finally:
+        dist.all_gather = real
+    return report, len(calls)
+
+
+def test_report_flags_exactly_the_differing_buffers_identically_on_every_rank(ranks):
+    world = ranks.world_size
+    differ_on = [r for r in range(1, world) if r != 2]  # rank 2 (when present) agrees with rank 0
+    out = ranks.run(_report, differ_on)
+    reports = [r for r, _ in out]
+    assert all(r == reports[0] for r in reports)  # the same report on every rank
+    rows = {row.name: row for row in reports[0].rows}
+    assert {n for n, r in rows.items() if not r.in_sync} == {"codebook", "steps", "bf16"}
+    assert rows["codebook"].differing_ranks == tuple(differ_on)
+    assert rows["codebook"].max_abs_diff == pytest.approx(0.5 * max(differ_on))
+    assert rows["steps"].max_abs_diff == max(differ_on) and rows["steps"].dtype == "int64"
+    assert rows["bf16"].differing_ranks == (1,) and math.isinf(rows["bf16"].max_abs_diff)
+    assert rows["rope"].in_sync and not rows["rope"].persistent and rows["codebook"].persistent
+    assert rows["bn.running_mean"].in_sync and rows["bn.running_mean"].max_abs_diff == 0
+    assert reports[0].ranks == tuple(range(world)) and not reports[0].in_sync
+    # structure digest, content digests, then one gather per differing dtype bucket (float32, int64, bf16)
+    assert [n for _, n in out] == [2 + 3] * world
+
+
+def test_in_sync_model_costs_two_small_collectives(ranks2):
+    out = ranks2.run(_report, [])
+    reports = [r for r, _ in out if r.in_sync is False]
+    assert len(reports) == 2  # only the bf16 NaN on rank 1 differs
+    (r0, n0), _ = out
+    assert [row.name for row in r0.out_of_sync] == ["bf16"] and n0 == 3
+
+
+def test_atol_accepts_small_differences(ranks2):
+    (report, _), _ = ranks2.run(_report, [1], 0.75)
+    rows = {row.name: row for row in report.rows}
+    assert rows["codebook"].in_sync and rows["codebook"].max_abs_diff == pytest.approx(0.5)
+    assert not rows["steps"].in_sync  # off by 1 > 0.75
+
+
+def _assert(rank, world):
+    model = scramble(Toy(), 0)
+    with torch.no_grad():
+        model.bn.running_var += rank  # incident 2: each rank's own statistics
+    try:
+        zb.assert_buffers_in_sync(model)
+    except zb.BuffersOutOfSyncError as e:
+        first = str(e)
+    else:
+        first = None
+    zb.broadcast_buffers(model)
+    return first, zb.assert_buffers_in_sync(model).in_sync
+
+
+def test_assert_raises_on_every_rank_and_names_the_buffers(ranks):
+    out = ranks.run(_assert)
+    messages = [m for m, _ in out]
+    assert all(m == messages[0] for m in messages) and messages[0] is not None
+    assert "1 of 12 buffers differ" in messages[0] and "bn.running_var" in messages[0]
+    assert "broadcast_buffers" in messages[0]
+    assert all(ok for _, ok in out)  # and passes once synchronised

@@ -1,0 +1,92 @@
+"""The ``zero-buffers`` command: list and run the bundled repro scripts on N local ranks."""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def repro_dir() -> Path:
+    """``$ZERO_BUFFERS_REPRO_DIR``, else the ``repro/`` folder beside the package (a source checkout)."""
+    env = os.environ.get("ZERO_BUFFERS_REPRO_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "repro"
+
+
+def scripts(folder: Path) -> dict[str, str]:
+    """Repro name -> first docstring line, for every ``*.py`` not starting with ``_``."""
+    out = {}
+    for path in sorted(folder.glob("[!_]*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        out[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return out
+
+
+def default_backend(nproc: int) -> str:
+    """nccl when there is one GPU per rank, else gloo."""
+    try:
+        import torch
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
+    except ImportError:
+        return "gloo"
+
+
+def run_one(path: Path, nproc: int, backend: str, timeout: float) -> tuple[int, float]:
+    """Run one script under torch.distributed.run on ``nproc`` local ranks; returns (exit code, seconds)."""
+    env = dict(os.environ, ZB_BACKEND=backend, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
+    started = time.monotonic()
+    try:
+        code = subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"zero-buffers: {path.stem} did not finish within {timeout:.0f} s", file=sys.stderr)
+        code = 124
+    return code, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``zero-buffers``."""
+    parser = argparse.ArgumentParser(prog="zero-buffers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list the repro scripts")
+    rp = sub.add_parser("repro", help="run one repro script (or all of them) on N local ranks")
+    rp.add_argument("name", nargs="?", help="script name from 'zero-buffers list' (default: all)")
+    rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
+    rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                    help="default: nccl with one GPU per rank, else gloo on CPU")
+    rp.add_argument("--timeout", type=float, default=900, help="seconds per script (default 900)")
+    args = parser.parse_args(argv)
+
+    folder = repro_dir()
+    found = scripts(folder) if folder.is_dir() else {}
+    if not found:
+        print(f"zero-buffers: no repro scripts in {folder} (set ZERO_BUFFERS_REPRO_DIR)", file=sys.stderr)
+        return 2
+    if args.command == "list":
+        width = max(map(len, found))
+        for name, doc in found.items():
+            print(f"{name:<{width}}  {doc}")
+        return 0
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    names = [args.name] if args.name else list(found)
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        parser.error(f"unknown repro {unknown[0]!r}; choose from: {', '.join(found)}")
+    backend = args.backend or default_backend(args.nproc)
+    summary = []
+    for name in names:
+        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend}", flush=True)
+        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout)
+        summary.append((name, code, seconds))
+    print("\n=== summary")
+    for name, code, seconds in summary:
+        print(f"{name:<32} {'ok' if code == 0 else f'FAILED (exit {code})':<18} {seconds:6.1f} s")
+    return 0 if all(code == 0 for _, code, _ in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
