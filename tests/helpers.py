@@ -56,3 +56,18 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+
+
+def init_deepspeed():
+    """Import DeepSpeed inside a rank worker and attach it to the worker's gloo group (no shm-comm JIT build)."""
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+ZERO3_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3},
+}
