@@ -15,7 +15,9 @@ from .errors import (
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
+from .gathered import GatheredParametersAndBuffers
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
+from .zero_init import Init, install, installed, uninstall
 
 __all__ = [
     "BufferReport",
@@ -25,6 +27,8 @@ __all__ = [
     "CollectiveError",
     "DeepSpeedUnavailableError",
     "DistributedSetupError",
+    "GatheredParametersAndBuffers",
+    "Init",
     "InvalidArgumentError",
     "InvalidSourceRankError",
     "UnsupportedDeviceError",
@@ -34,4 +38,7 @@ __all__ = [
     "average_bn_stats",
     "broadcast_buffers",
     "buffer_report",
+    "install",
+    "installed",
+    "uninstall",
 ]

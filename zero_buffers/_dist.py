@@ -315,6 +315,24 @@ def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Tim
     return result
 
 
+def failed_ranks(g: Group, failed: bool, timeout: Timeout, what: str) -> list[int]:
+    """Global ranks that report ``failed`` (one all_gather of a flag), so every rank takes the same branch."""
+    flags = all_gather_tensor(g, torch.tensor([int(failed)], dtype=torch.int64, device=g.device), timeout, what)
+    return [r for r, f in zip(g.ranks, flags) if int(f.item())]
+
+
+def as_module(modules: Sequence[nn.Module], params: Sequence[torch.Tensor] = ()) -> nn.Module:
+    """A bare container holding ``modules`` (as '0', '1', ...) and loose ``params``; the modules are not re-parented."""
+    if len(modules) == 1 and not params:
+        return modules[0]
+    box = nn.Module()  # plain nn.Module: zero.Init does not patch its __init__, so nothing is partitioned
+    for i, m in enumerate(modules):
+        box._modules[str(i)] = m
+    for i, p in enumerate(params):
+        box._parameters[f"param{i}"] = p
+    return box
+
+
 def all_reduce_sum(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> torch.Tensor:
     """Sum ``t`` across the group in place (one collective) and return it."""
     wait_all([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=g.pg, async_op=True)], timeout, what)

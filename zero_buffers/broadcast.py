@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _dist
@@ -37,9 +38,14 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     if g is None:
         return 0
     entries = _dist.named_buffers(module, ignore=ignore, include_parameters=include_parameters)
-    _dist.agree_on_structure(g, ("broadcast_buffers", src, include_parameters),
-                             [(n, _dist.describe(t)) for n, t in entries], timeout, "broadcast_buffers")
-    _dist.reject_meta(entries, "broadcast_buffers")
-    _dist.check_backend_devices(g, entries, "broadcast_buffers")
-    _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, "broadcast_buffers")
+    return broadcast_entries(g, entries, src, timeout, "broadcast_buffers", include_parameters)
+
+
+def broadcast_entries(g: _dist.Group, entries: list[tuple[str, torch.Tensor]], src: int, timeout: _dist.Timeout,
+                      what: str, *call: object) -> int:
+    """Structure-checked, transactional broadcast of named tensors from ``src`` (the core of every sync)."""
+    _dist.agree_on_structure(g, (what, src, *call), [(n, _dist.describe(t)) for n, t in entries], timeout, what)
+    _dist.reject_meta(entries, what)
+    _dist.check_backend_devices(g, entries, what)
+    _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, what)
     return len(entries)

@@ -1,0 +1,295 @@
+"""ZeRO-3 sync at init and at load: GatheredParametersAndBuffers, Init and install() on real DeepSpeed ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_buffers as zb
+from tests.helpers import ZERO3_CONFIG, buffers, init_deepspeed, same_state
+
+
+class VQ(nn.Module):
+    """BatchNorm + a codebook made with randn (differs per rank under zero.Init) + a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("codebook", torch.randn(6, 4))
+        self.register_buffer("table", torch.randn(3), persistent=False)
+
+
+def checkpoint() -> dict[str, torch.Tensor]:
+    """A 'pretrained' state dict every rank can rebuild (only rank 0 will load it)."""
+    torch.manual_seed(99)
+    ref = VQ()
+    with torch.no_grad():
+        ref.bn.running_mean.uniform_(1, 2)
+        ref.bn.running_var.uniform_(3, 4)
+        ref.bn.num_batches_tracked.fill_(42)
+    return ref.state_dict()
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gather ZeRO-3 parameters read-only and copy them out."""
+    import deepspeed
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _load_rank0_only(rank, world, ours):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)  # rank-specific randomness, as in real jobs
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    sd = checkpoint()
+    ctx = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if ours else \
+        deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+    with ctx:
+        if rank == 0:
+            model.load_state_dict(sd)
+    partitioned = all(p.numel() == 0 for p in model.parameters())  # re-partitioned on exit
+    return buffers(model), full_params(model), partitioned
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["deepspeed", "ours"])
+def test_rank0_only_load_reaches_every_rank(ranks, ours):
+    sd = checkpoint()
+    out = ranks.run(_load_rank0_only, ours, timeout=120)
+    want_buffers = {k: sd[k] for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "codebook")}
+    for rank, (bufs, params, partitioned) in enumerate(out):
+        assert partitioned
+        assert same_state(params, {k: sd[k] for k in params})  # DeepSpeed handles parameters either way
+        persistent_ok = same_state({k: bufs[k] for k in want_buffers}, want_buffers)
+        if ours or rank == 0:
+            assert persistent_ok, rank
+        else:  # the bug: only rank 0 has the checkpoint's buffers
+            assert not persistent_ok
+            assert bufs["bn.running_mean"].abs().sum() == 0 and int(bufs["bn.num_batches_tracked"]) == 0
+        if ours:  # the non-persistent buffer is not in the checkpoint: everyone takes rank 0's
+            assert torch.equal(bufs["table"], out[0][0]["table"])
+
+
+def _check_on_enter(rank, world, differ, check):
+    deepspeed = init_deepspeed()
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    zb.broadcast_buffers(model)
+    with torch.no_grad():
+        if differ and rank == world - 1:
+            model.bn.running_var += 1
+    before = buffers(model)
+    try:
+        with zb.GatheredParametersAndBuffers(model, check_buffers=check) as ctx:
+            gathered = all(p.numel() > 0 for p in model.parameters())
+            assert isinstance(ctx, zb.GatheredParametersAndBuffers)
+    except zb.BuffersOutOfSyncError as e:
+        return str(e), None, same_state(before, buffers(model)), all(p.numel() == 0 for p in model.parameters())
+    return None, gathered, same_state(before, buffers(model)), all(p.numel() == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("differ,check", [(True, True), (True, False), (False, True)])
+def test_modifier_none_verifies_buffers_on_enter(ranks, differ, check):
+    out = ranks.run(_check_on_enter, differ, check, timeout=120)
+    for err, gathered, unchanged, partitioned in out:
+        assert unchanged and partitioned
+        if differ and check:
+            assert err == out[0][0] and "bn.running_var" in err and f"{ranks.world_size - 1}" in err
+        else:
+            assert err is None and gathered
+
+
+def _plain_model(rank, world):
+    torch.manual_seed(rank)
+    model = VQ()  # no DeepSpeed at all: a DDP-style replica
+    sd = checkpoint()
+    with zb.GatheredParametersAndBuffers([model], modifier_rank=0):
+        if rank == 0:
+            model.load_state_dict(sd)
+    return {**buffers(model), **{n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_works_without_zero_parameters(ranks):
+    sd = checkpoint()
+    out = ranks.run(_plain_model)
+    for state in out:
+        assert same_state({k: state[k] for k in sd}, sd)  # parameters and persistent buffers
+        assert torch.equal(state["table"], out[0]["table"])  # non-persistent: rank 0's
+
+
+def _body_raises(rank, world, failing):
+    deepspeed = init_deepspeed()
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    before = buffers(model)
+    sd = checkpoint()
+    try:
+        with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+            if rank == 0:
+                model.load_state_dict(sd)
+            if rank in failing:
+                raise ValueError(f"bad file on rank {rank}")
+    except ValueError as e:
+        seen = ("ValueError", str(e))
+    except zb.ZeroBuffersError as e:
+        seen = ("ZeroBuffersError", str(e))
+    else:
+        seen = None
+    partitioned = all(p.numel() == 0 for p in model.parameters())
+    return seen, partitioned, same_state(before, buffers(model)), rank
+
+
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_exception_in_body_propagates_and_restores_state(ranks, where):
+    failing = list(range(ranks.world_size)) if where == "all" else [ranks.world_size - 1]
+    out = ranks.run(_body_raises, failing, timeout=120)
+    for seen, partitioned, unchanged, rank in out:
+        assert partitioned  # DeepSpeed's context was exited on every rank
+        if rank in failing:
+            assert seen == ("ValueError", f"bad file on rank {rank}")
+        else:
+            assert seen[0] == "ZeroBuffersError" and f"raised on rank(s) {failing}" in seen[1]
+        if rank != 0:
+            assert unchanged  # nothing was broadcast: no rank got a half-loaded state
+
+
+def _init(rank, world, ours, nested, dtype):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    # dtype only when asked: deepspeed 0.19.8's Init._set_dtype turns any explicit dtype into bf16 on CPU
+    kw = dict(config_dict_or_path=ZERO3_CONFIG, **({"dtype": dtype} if dtype != torch.float32 else {}))
+    outer = zb.Init(**kw) if ours and nested != "ds_outer" else deepspeed.zero.Init(**kw)
+    inner = zb.Init(**kw) if ours else deepspeed.zero.Init(**kw)
+    with outer:
+        first = VQ()
+        if nested:
+            with inner:
+                second = VQ()
+        else:
+            second = VQ()
+        in_context = buffers(second)
+    return buffers(first), buffers(second), in_context["codebook"].dtype
+
+
+@pytest.mark.parametrize("ours,nested", [(False, None), (False, "nested"), (True, None), (True, "nested"),
+                                          (True, "ds_outer")])
+def test_init_syncs_buffers_of_every_module_built_inside(ranks, ours, nested):
+    out = ranks.run(_init, ours, nested, torch.float32, timeout=120)
+    for first, second, dtype in out[1:]:
+        assert dtype == torch.float32
+        if ours and nested == "ds_outer":  # only what was built inside zero_buffers.Init is synced
+            assert same_state(second, out[0][1]) and not torch.equal(first["codebook"], out[0][0]["codebook"])
+        elif ours:
+            assert same_state(first, out[0][0]) and same_state(second, out[0][1])
+        else:  # the bug: randn buffers differ per rank while the parameters beside them agree
+            assert not torch.equal(first["codebook"], out[0][0]["codebook"])
+            assert not torch.equal(second["table"], out[0][1]["table"])
+
+
+def test_init_bf16_buffers(ranks2):
+    out = ranks2.run(_init, True, None, torch.bfloat16, timeout=120)
+    assert out[0][2] == torch.bfloat16 and out[0][0]["codebook"].dtype == torch.bfloat16
+    assert same_state(out[0][0], out[1][0]) and same_state(out[0][1], out[1][1])
+
+
+def _init_raises(rank, world, failing):
+    deepspeed = init_deepspeed()
+    pp = deepspeed.runtime.zero.partition_parameters
+    torch.manual_seed(rank)
+    try:
+        with zb.Init(config_dict_or_path=ZERO3_CONFIG):
+            model = VQ()
+            if rank in failing:
+                raise KeyError("boom")
+    except KeyError:
+        seen = "KeyError"
+    except zb.ZeroBuffersError as e:
+        seen = str(e)
+    else:
+        seen = None
+    restored = pp.zero_init_context == 0 and pp.top_level_context is None
+    hook_off = not hasattr(pp.Init._post_init_method, "_zb_original")
+    return seen, restored and hook_off, model.codebook.clone()
+
+
+@pytest.mark.parametrize("where", ["all", "one"])
+def test_init_exception_in_body(ranks2, where):
+    failing = [0, 1] if where == "all" else [1]
+    out = ranks2.run(_init_raises, failing, timeout=120)
+    assert all(restored for _, restored, _ in out)
+    assert out[1][0] == "KeyError"
+    assert out[0][0] == ("KeyError" if where == "all" else out[0][0])
+    if where == "one":
+        assert "raised on rank(s) [1]" in out[0][0]
+    assert not torch.equal(out[0][2], out[1][2])  # nothing was broadcast
+
+
+def _install(rank, world, use_install):
+    deepspeed = init_deepspeed()
+    pp = deepspeed.runtime.zero.partition_parameters
+    base = pp.InsertPostInitMethodToModuleSubClasses
+    originals = (base.__enter__, base.__exit__, pp.Init._post_init_method)
+    torch.manual_seed(rank)
+    if use_install:
+        handle = zb.install()
+        again = zb.install()  # idempotent
+        assert zb.installed() and not again.owner and handle.owner
+        with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+            with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+                inner = VQ()
+            outer = VQ()
+        zb.uninstall()
+        zb.uninstall()
+    else:
+        with zb.install():  # as a context manager
+            with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+                inner, outer = VQ(), VQ()
+    restored = (base.__enter__, base.__exit__, pp.Init._post_init_method) == originals and not zb.installed()
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        after = VQ()  # uninstalled: the bug is back
+    return buffers(inner), buffers(outer), buffers(after), restored
+
+
+@pytest.mark.parametrize("use_install", [True, False], ids=["call", "context"])
+def test_install_syncs_every_zero_init_and_uninstall_restores(ranks, use_install):
+    out = ranks.run(_install, use_install, timeout=120)
+    for inner, outer, after, restored in out[1:]:
+        assert restored
+        assert same_state(inner, out[0][0]) and same_state(outer, out[0][1])
+        assert not torch.equal(after["codebook"], out[0][2]["codebook"])
+
+
+def _from_pretrained(rank, world, path, use_install):
+    init_deepspeed()
+    from tests.hf_tiny import save_reference, zero3_from_pretrained
+    if rank == 0:
+        save_reference(path)
+    dist.barrier()
+    torch.manual_seed(rank)
+    if use_install:
+        with zb.install():
+            model = zero3_from_pretrained(path, ZERO3_CONFIG)
+    else:
+        model = zero3_from_pretrained(path, ZERO3_CONFIG)
+    return buffers(model), model.lin.weight.numel() == 0
+
+
+@pytest.mark.parametrize("use_install", [False, True], ids=["plain", "install"])
+def test_install_covers_transformers_from_pretrained(ranks, tmp_path, use_install):
+    out = ranks.run(_from_pretrained, str(tmp_path), use_install, timeout=180)
+    for bufs, partitioned in out:
+        assert partitioned  # really built under zero.Init
+        assert bufs["bn.running_mean"].tolist() == list(range(8))  # transformers broadcasts persistent ones
+    same_noise = all(torch.equal(b["noise"], out[0][0]["noise"]) for b, _ in out)
+    assert same_noise == use_install  # the non-persistent buffer only agrees with install()
+
+
+def test_install_without_deepspeed_is_a_clear_error(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero", None)
+    with pytest.raises(zb.DeepSpeedUnavailableError, match="need DeepSpeed"):
+        zb.install()
+    assert not zb.installed()

@@ -1,0 +1,124 @@
+"""GatheredParametersAndBuffers: deepspeed.zero.GatheredParameters that also keeps module buffers right."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _dist
+from .broadcast import broadcast_buffers
+from .errors import InvalidArgumentError, ZeroBuffersError
+from .report import assert_buffers_in_sync
+
+_DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # deepspeed.runtime.zero.partition_parameters
+
+
+def _split(target: Any) -> tuple[list[nn.Module], list[torch.Tensor]]:
+    """Modules and loose parameters named by ``target`` (one or an iterable of either)."""
+    items = [target] if isinstance(target, (nn.Module, torch.Tensor)) else list(target)
+    modules, params = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, nn.Module):
+            modules.append(item)
+        elif isinstance(item, torch.Tensor):
+            params.append(item)
+        else:
+            raise InvalidArgumentError(f"GatheredParametersAndBuffers: item {i} is a {type(item).__name__}; expected "
+                                       "modules, parameters, or an iterable of them")
+    return modules, params
+
+
+def _gathered_parameters(params: list[torch.Tensor], modifier_rank: int | None, fwd_module: Any) -> Any:
+    """DeepSpeed's context for the ZeRO parameters not already gathered by an outer context (or None)."""
+    zero = [p for p in params if hasattr(p, "ds_id") and getattr(p, _DEPTH_ATTR, 0) == 0]
+    if not zero:
+        return None
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(zero, modifier_rank=modifier_rank, fwd_module=fwd_module)
+
+
+class GatheredParametersAndBuffers:
+    """A drop-in for ``deepspeed.zero.GatheredParameters`` that also handles the buffers of the modules given.
+
+    ``target`` is what GatheredParameters accepts (a parameter, an iterable of parameters) and also a
+    module or several. ZeRO parameters are gathered by DeepSpeed exactly as before (those an outer
+    GatheredParameters already holds are left to it). For modules:
+
+    * ``modifier_rank=r``: on exit, buffers and plain (non-ZeRO) parameters are broadcast from ``r``
+      (a rank of ``group``, as in DeepSpeed) with one structure-checked coalesced sync, so DeepSpeed's
+      loading pattern leaves every rank with the checkpoint's buffers. If the body raised on some
+      ranks only, nothing is broadcast and the other ranks raise :class:`ZeroBuffersError` too.
+    * ``modifier_rank=None``: on enter, buffers are checked to agree across ranks (one small collective)
+      and :class:`BuffersOutOfSyncError` is raised on every rank naming them; ``check_buffers=False``
+      opts out. Nothing is modified.
+
+    Works without DeepSpeed and with plain (DDP) models: there is nothing to gather, buffers are still
+    handled. Exceptions in the body propagate and DeepSpeed's context is always exited.
+
+    Example::
+
+        with GatheredParametersAndBuffers(model, modifier_rank=0):
+            if torch.distributed.get_rank() == 0:
+                model.load_state_dict(torch.load("ckpt.pt"))
+        # every rank now has the checkpoint's weights AND buffers
+    """
+
+    def __init__(self, target: Any, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True, *, check_buffers: bool = True, atol: float = 0.0, group: Any = None,
+                 timeout: _dist.Timeout = None):
+        self.enabled = enabled
+        if not enabled:
+            return
+        modules, loose = _split(target)
+        params = loose + [p for m in modules for p in m.parameters()]
+        self.modifier_rank = modifier_rank
+        self.check_buffers, self.atol, self.group, self.timeout = check_buffers, atol, group, timeout
+        plain = [p for p in loose if not hasattr(p, "ds_id")]
+        self._box = _dist.as_module(modules, plain) if modules or plain else None
+        self._ds = _gathered_parameters(params, modifier_rank, fwd_module)
+
+    def _src(self) -> int:
+        """``modifier_rank`` as a global rank."""
+        if self.group is None or not dist.is_initialized():
+            return self.modifier_rank
+        return dist.get_global_rank(self.group, self.modifier_rank)
+
+    def __enter__(self) -> GatheredParametersAndBuffers:
+        if not self.enabled:
+            return self
+        if self._box is not None and self.modifier_rank is None and self.check_buffers:
+            assert_buffers_in_sync(self._box, group=self.group, atol=self.atol, timeout=self.timeout)
+        if self._ds is not None:
+            self._ds.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if not self.enabled:
+            return False
+        try:
+            if self._box is not None and self.modifier_rank is not None:
+                self._sync_from_modifier(failed=exc_type is not None)
+        except ZeroBuffersError:
+            if exc_type is None:
+                raise  # else: the body's own exception is the one to see
+        finally:
+            if self._ds is not None:
+                self._ds.__exit__(exc_type, exc, tb)
+        return False
+
+    def _sync_from_modifier(self, failed: bool) -> None:
+        """Broadcast buffers and plain parameters from the modifier rank, unless a rank's body raised."""
+        g = _dist.resolve_group(self.group)
+        if g is None:
+            return
+        bad = _dist.failed_ranks(g, failed, self.timeout, "GatheredParametersAndBuffers")
+        if bad:
+            raise ZeroBuffersError(
+                f"GatheredParametersAndBuffers: the body raised on rank(s) {bad}; buffers were not broadcast from "
+                f"rank {self._src()} and are unchanged on rank {g.rank}")
+        broadcast_buffers(self._box, src=self._src(), group=self.group, include_parameters=True,
+                          timeout=self.timeout)
+
