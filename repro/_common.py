@@ -58,3 +58,42 @@ class Table:
         dist.barrier()
         dist.destroy_process_group()
         sys.exit(0 if ok else 1)
+
+
+def setup_deepspeed(seed: int = 0) -> tuple[int, int, torch.device]:
+    """setup() plus DeepSpeed's comm layer on the same group (skipping the shm-comm JIT build on CPU)."""
+    rank, world, device = setup(seed)
+    import deepspeed
+
+    if device.type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return rank, world, device
+
+
+def zero3_config() -> dict:
+    """The smallest ZeRO-3 config DeepSpeed accepts."""
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+
+
+def max_cross_rank_diff(module: torch.nn.Module) -> float:
+    """Largest buffer difference between any rank and rank 0 (buffer_report)."""
+    import zero_buffers as zb
+
+    return max((r.max_abs_diff for r in zb.buffer_report(module).rows), default=0.0)
+
+
+def all_ranks(flag: bool) -> bool:
+    """True when ``flag`` holds on every rank."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def shared_tmpdir() -> str:
+    """A temporary directory made by rank 0 and known to every rank (same machine)."""
+    import tempfile
+
+    box = [tempfile.mkdtemp(prefix="zero_buffers_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -21,6 +21,19 @@ def test_list_names_every_repro_with_its_summary():
     assert "buffers_diverge" in out.stdout and "diverge on sharded data" in out.stdout
 
 
+def _rows(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith(("BUG ", "FIX "))]
+
+
+@pytest.mark.parametrize("name", ["zero3_load_buffers"])
+def test_zero3_repro_shows_every_bug_and_fix(name):
+    out = _cli("repro", name, "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _rows(out.stdout)
+    assert "RESULT: all fixes hold" in out.stdout and len(rows) == 6
+    assert sum(r.startswith("BUG") for r in rows) == 3 and all(r.rstrip().endswith("yes") for r in rows)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_buffers_diverge_shows_the_bug_and_each_fix(nproc):
     out = _cli("repro", "buffers_diverge", "--nproc", str(nproc))

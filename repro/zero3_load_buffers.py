@@ -1,0 +1,120 @@
+"""ZeRO-3 never broadcasts buffers: rank-0-only loads and random buffers differ; GatheredParametersAndBuffers, Init and install() fix it.
+
+Run: zero-buffers repro zero3_load_buffers --nproc 2   (or: torchrun --nproc-per-node 2 repro/zero3_load_buffers.py)
+"""
+from __future__ import annotations
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_buffers as zb
+from _common import Table, all_ranks, max_cross_rank_diff, setup_deepspeed, shared_tmpdir, zero3_config
+
+
+class VQBlock(nn.Module):
+    """Linear + BatchNorm + a codebook made with randn (a VQ tokenizer's shape, in miniature)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("codebook", torch.randn(16, 8))
+
+
+def pretrained_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    ref = VQBlock()
+    with torch.no_grad():
+        ref.bn.running_mean.uniform_(-1, 1)
+        ref.bn.running_var.uniform_(0.5, 2)
+        ref.bn.num_batches_tracked.fill_(500)
+    return ref.state_dict()
+
+
+def matches(model: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
+    """Every buffer in ``sd`` equals the model's, on every rank."""
+    ok = all(torch.equal(b.cpu(), sd[n]) for n, b in model.named_buffers() if n in sd)
+    return all_ranks(ok)
+
+
+def load_case(rank: int, ours: bool) -> VQBlock:
+    """DeepSpeed's documented pattern: build under zero.Init, load on rank 0 inside a gather context."""
+    torch.manual_seed(rank)  # rank-specific RNG, as in any real job (dropout, augmentation seeds)
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
+        model = VQBlock()
+    sd = pretrained_state()
+    ctx = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if ours else \
+        deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+    with ctx:
+        if rank == 0:
+            model.load_state_dict(sd)
+    return model
+
+
+def main() -> None:
+    rank, world, _ = setup_deepspeed()
+    sd = pretrained_state()
+    table = Table(f"zero3_load_buffers: {world} ranks, DeepSpeed ZeRO-3", ["max cross-rank diff", "all ranks = checkpoint"])
+
+    model = load_case(rank, ours=False)
+    table.add("BUG", "rank-0 load in GatheredParameters", [max_cross_rank_diff(model), str(matches(model, sd))],
+              max_cross_rank_diff(model) > 0)
+    model = load_case(rank, ours=True)
+    table.add("FIX", "GatheredParametersAndBuffers(model, 0)", [max_cross_rank_diff(model), str(matches(model, sd))],
+              max_cross_rank_diff(model) == 0 and matches(model, sd))
+
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
+        model = VQBlock()
+    diff = max_cross_rank_diff(model)
+    table.add("BUG", "randn codebook under zero.Init", [diff, "-"], diff > 0)
+    torch.manual_seed(rank)
+    with zb.Init(config_dict_or_path=zero3_config()):
+        model = VQBlock()
+    diff = max_cross_rank_diff(model)
+    table.add("FIX", "zero_buffers.Init", [diff, "-"], diff == 0)
+
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    class TinyConfig(PretrainedConfig):
+        model_type = "zb_repro_tiny"
+
+    class Tiny(PreTrainedModel):
+        config_class = TinyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.block = VQBlock()
+            self.register_buffer("rope", torch.randn(8), persistent=False)  # non-persistent: not in the file
+            self.post_init()
+
+    path = shared_tmpdir()
+    if rank == 0:
+        torch.manual_seed(7)
+        Tiny(TinyConfig()).save_pretrained(path)
+    dist.barrier()
+    for fixed in (False, True):
+        torch.manual_seed(rank)
+        keep = HfDeepSpeedConfig(zero3_config())  # noqa: F841 - transformers keeps a weakref: ZeRO-3 is on
+        try:
+            if fixed:
+                with zb.install():
+                    model = Tiny.from_pretrained(path)
+            else:
+                model = Tiny.from_pretrained(path)
+        finally:
+            unset_hf_deepspeed_config()
+        partitioned = all_ranks(model.block.proj.weight.numel() == 0)
+        rope = zb.buffer_report(model).rows
+        diff = max(r.max_abs_diff for r in rope)
+        label = "install() + from_pretrained" if fixed else "from_pretrained under ZeRO-3"
+        table.add("FIX" if fixed else "BUG", label, [diff, "-"], partitioned and (diff == 0) == fixed)
+    table.finish()
+
+
+if __name__ == "__main__":
+    main()
