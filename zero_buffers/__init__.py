@@ -15,7 +15,9 @@ from .errors import (
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
+from .frozen_replica import frozen_replica
 from .gathered import GatheredParametersAndBuffers
+from .no_zero_init import no_zero_init
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
 from .zero_init import Init, install, installed, uninstall
 
@@ -38,7 +40,9 @@ __all__ = [
     "average_bn_stats",
     "broadcast_buffers",
     "buffer_report",
+    "frozen_replica",
     "install",
     "installed",
+    "no_zero_init",
     "uninstall",
 ]
