@@ -97,3 +97,24 @@ def shared_tmpdir() -> str:
     box = [tempfile.mkdtemp(prefix="zero_buffers_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def max_output_diff(y: torch.Tensor) -> float:
+    """Largest |y_r - y_0| over ranks for an output every rank computed from the same input."""
+    ys = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(ys, y.detach().contiguous())
+    return max(float((o - ys[0]).abs().max()) for o in ys)
+
+
+def ms_per_call(fn, repeats: int = 20) -> float:
+    """Median wall time of ``fn()`` in milliseconds (ranks start each call together)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])

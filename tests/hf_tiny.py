@@ -25,6 +25,11 @@ class TinyModel(PreTrainedModel):
         self.register_buffer("noise", torch.randn(h), persistent=False)  # like a random projection / codebook
         self.post_init()
 
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if module is self:  # transformers 5 builds on the meta device: non-persistent buffers are set here
+            torch.nn.init.normal_(self.noise)
+
     def forward(self, x):
         return self.bn(self.lin(x)) + self.noise
 

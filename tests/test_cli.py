@@ -21,17 +21,15 @@ def test_list_names_every_repro_with_its_summary():
     assert "buffers_diverge" in out.stdout and "diverge on sharded data" in out.stdout
 
 
-def _rows(stdout: str) -> list[str]:
-    return [line for line in stdout.splitlines() if line.startswith(("BUG ", "FIX "))]
-
-
-@pytest.mark.parametrize("name", ["zero3_load_buffers"])
-def test_zero3_repro_shows_every_bug_and_fix(name):
+@pytest.mark.parametrize("name,bugs,fixes", [("zero3_load_buffers", 3, 3), ("zero3_frozen_tokenizer", 1, 4),
+                                             ("zero3_frozen_hf_accelerate", 3, 2)])
+def test_zero3_repro_shows_every_bug_and_fix(name, bugs, fixes):
     out = _cli("repro", name, "--nproc", "2")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = _rows(out.stdout)
-    assert "RESULT: all fixes hold" in out.stdout and len(rows) == 6
-    assert sum(r.startswith("BUG") for r in rows) == 3 and all(r.rstrip().endswith("yes") for r in rows)
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
+    assert "RESULT: all fixes hold" in out.stdout
+    assert sum(r.startswith("BUG") for r in rows) == bugs and sum(r.startswith("FIX") for r in rows) == fixes
+    assert all(r.rstrip().endswith("yes") for r in rows)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

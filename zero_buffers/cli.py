@@ -34,10 +34,28 @@ def default_backend(nproc: int) -> str:
         return "gloo"
 
 
-def run_one(path: Path, nproc: int, backend: str, timeout: float) -> tuple[int, float]:
-    """Run one script under torch.distributed.run on ``nproc`` local ranks; returns (exit code, seconds)."""
+def _free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
+    """torchrun, or ``accelerate launch`` with DeepSpeed ZeRO-3 (the recipe that works on CPU)."""
+    if launcher == "accelerate":
+        return [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={nproc}", "--num_machines=1",
+                "--mixed_precision=no", "--dynamo_backend=no", "--use_deepspeed", "--zero_stage=3",
+                "--zero3_init_flag=true", f"--main_process_port={_free_port()}", str(path)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
+
+
+def run_one(path: Path, nproc: int, backend: str, timeout: float, launcher: str = "torchrun") -> tuple[int, float]:
+    """Run one script on ``nproc`` local ranks; returns (exit code, seconds)."""
     env = dict(os.environ, ZB_BACKEND=backend, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
+    cmd = launch_command(path, nproc, launcher)
     started = time.monotonic()
     try:
         code = subprocess.run(cmd, env=env, timeout=timeout).returncode
@@ -57,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
     rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl with one GPU per rank, else gloo on CPU")
+    rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
+                    help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
     rp.add_argument("--timeout", type=float, default=900, help="seconds per script (default 900)")
     args = parser.parse_args(argv)
 
@@ -79,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or default_backend(args.nproc)
     summary = []
     for name in names:
-        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend}", flush=True)
-        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout)
+        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher {args.launcher}",
+              flush=True)
+        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout, args.launcher)
         summary.append((name, code, seconds))
     print("\n=== summary")
     for name, code, seconds in summary:
