@@ -1,0 +1,485 @@
+"""Side-by-side benchmarks of zero_buffers against the alternatives, on N local ranks.
+
+    python benchmarks/bench.py                 # world sizes 2 and 4, writes benchmarks/results/
+    python benchmarks/bench.py --quick         # tiny sizes, few repeats: checks every output, claims nothing
+    python benchmarks/bench.py --world 2 --only broadcast scaling
+
+Every number is the median over repeats of the slowest rank's wall time for one call (ranks start
+each call together after a barrier). gloo on CPU by default, nccl when there is one GPU per rank.
+Writes ``results.json``, ``results.md`` and ``scaling.png`` into the output folder.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling")
+
+
+# --------------------------------------------------------------------------------------------------
+# buffer sets of real architectures (only the buffer-carrying layers are built)
+# --------------------------------------------------------------------------------------------------
+def resnet_bn_net(blocks: tuple[int, ...]) -> nn.Module:
+    """The BatchNorm layers of a torchvision-style bottleneck ResNet (3 buffers each)."""
+    bns: list[nn.Module] = [nn.BatchNorm2d(64)]
+    for stage, n in enumerate(blocks):
+        width = 64 * 2 ** stage
+        for b in range(n):
+            bns += [nn.BatchNorm2d(width), nn.BatchNorm2d(width), nn.BatchNorm2d(width * 4)]
+            if b == 0:
+                bns.append(nn.BatchNorm2d(width * 4))  # downsample branch
+    return nn.Sequential(*bns)
+
+
+class ViTBuffers(nn.Module):
+    """A ViT-like buffer set: non-persistent rotary tables, position ids, attention masks, a few BN-free blocks."""
+
+    def __init__(self, depth: int = 12, dim: int = 768, tokens: int = 197):
+        super().__init__()
+        self.register_buffer("position_ids", torch.arange(tokens).unsqueeze(0), persistent=False)
+        for i in range(depth):
+            block = nn.Module()
+            block.register_buffer("inv_freq", torch.rand(dim // 24), persistent=False)
+            block.register_buffer("rope_cos", torch.rand(tokens, dim // 12), persistent=False)
+            block.register_buffer("rope_sin", torch.rand(tokens, dim // 12), persistent=False)
+            block.register_buffer("attn_mask", torch.ones(tokens, tokens, dtype=torch.bool), persistent=False)
+            self.add_module(f"block{i}", block)
+
+
+def buffer_sets(quick: bool) -> dict[str, Callable[[], nn.Module]]:
+    """Name -> builder of each buffer set measured."""
+    if quick:
+        return {"resnet50_bn": lambda: resnet_bn_net((1, 1, 1, 1)), "vit_nonpersistent": lambda: ViTBuffers(2, 96, 17),
+                "resnet50_bn_bf16": lambda: resnet_bn_net((1, 1, 1, 1)).to(torch.bfloat16)}
+    return {"resnet50_bn": lambda: resnet_bn_net((3, 4, 6, 3)), "resnet101_bn": lambda: resnet_bn_net((3, 4, 23, 3)),
+            "vit_nonpersistent": lambda: ViTBuffers(), "resnet50_bn_bf16": lambda: resnet_bn_net((3, 4, 6, 3)).to(
+                torch.bfloat16)}
+
+
+def many_buffers(n: int) -> nn.Module:
+    """``n`` float buffers of 64..1024 elements (the scaling sweep)."""
+    m = nn.Module()
+    for i in range(n):
+        m.register_buffer(f"b{i}", torch.rand(64 * (1 + i % 16)))
+    return m
+
+
+# --------------------------------------------------------------------------------------------------
+# the alternatives
+# --------------------------------------------------------------------------------------------------
+def torch_broadcast_coalesced(tensors: list[torch.Tensor], src: int) -> None:
+    """What DDP/FSDP use (private torch API, wrapped here with a public fallback)."""
+    fn = getattr(dist, "_broadcast_coalesced", None)
+    if fn is not None:
+        fn(dist.group.WORLD, tensors, 250 * 1024 * 1024, src)
+        return
+    for dtype in dict.fromkeys(t.dtype for t in tensors):  # fallback: one flat broadcast per dtype
+        ts = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        dist.broadcast(flat, src)
+        torch._utils._unflatten_dense_tensors(flat, ts)
+        for t, v in zip(ts, torch._utils._unflatten_dense_tensors(flat, ts)):
+            t.copy_(v)
+
+
+def per_buffer_loop(tensors: list[torch.Tensor], src: int) -> None:
+    """The usual hand fix: one dist.broadcast per buffer."""
+    for t in tensors:
+        dist.broadcast(t, src)
+
+
+def raw_flat(flats: list[torch.Tensor], src: int) -> None:
+    """The floor: the same bytes, already flat, one broadcast per dtype, nothing copied."""
+    for f in flats:
+        dist.broadcast(f, src)
+
+
+def timm_distribute_bn(model: nn.Module, world: int) -> None:
+    """timm.utils.distribute_bn(reduce=True): one all_reduce per running stat tensor, naive average."""
+    for name, buf in model.named_buffers():
+        if "running_mean" in name or "running_var" in name:
+            dist.all_reduce(buf)
+            buf /= world
+
+
+# --------------------------------------------------------------------------------------------------
+# measuring
+# --------------------------------------------------------------------------------------------------
+def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """Median over repeats of the slowest rank's seconds for one ``fn()`` call."""
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= 2:  # two warm-up calls
+            times.append(float(elapsed))
+    return statistics.median(times)
+
+
+def scrambled(builder: Callable[[], nn.Module], rank: int, device: torch.device) -> nn.Module:
+    """A fresh module with rank-specific buffer values (so every broadcast really moves data)."""
+    m = builder().to(device)
+    g = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for b in m.buffers():
+            if b.is_floating_point():
+                b.copy_(torch.rand(b.shape, generator=g).to(b.dtype))
+            elif b.dtype == torch.bool:
+                b.copy_(torch.rand(b.shape, generator=g) > 0.5)
+            else:
+                b.copy_(torch.randint(0, 100, b.shape, generator=g))
+    return m
+
+
+def check_equal_to_src(model: nn.Module) -> None:
+    """Every buffer equals rank 0's (verifies each method really synchronised)."""
+    import zero_buffers as zb
+
+    report = zb.buffer_report(model)
+    if not report.in_sync:
+        raise AssertionError(f"not in sync after broadcast:\n{report.format(only_out_of_sync=True, limit=5)}")
+
+
+def bench_broadcast(ctx: dict) -> list[dict]:
+    """Section 1: buffer broadcast on architectures' buffer sets, four ways."""
+    import zero_buffers as zb
+
+    rank, dev, reps = ctx["rank"], ctx["device"], ctx["repeats"]
+    rows = []
+    for name, builder in buffer_sets(ctx["quick"]).items():
+        model = scrambled(builder, rank, dev)
+        tensors = [b for b in model.buffers()]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]) for d in dict.fromkeys(t.dtype for t in tensors)]
+        res = {"set": name, "buffers": len(tensors), "bytes": nbytes}
+        methods = {"per_buffer_loop": lambda: per_buffer_loop(tensors, 0),
+                   "torch_broadcast_coalesced": lambda: torch_broadcast_coalesced(tensors, 0),
+                   "zero_buffers.broadcast_buffers": lambda: zb.broadcast_buffers(model, 0),
+                   "raw_flat_broadcast": lambda: raw_flat(flats, 0)}
+        for method, fn in methods.items():
+            if method != "raw_flat_broadcast":
+                fresh = scrambled(builder, rank, dev)  # correctness: each method on rank-specific values
+                with torch.no_grad():
+                    for t, v in zip(tensors, fresh.buffers()):
+                        t.copy_(v)
+                fn()
+                check_equal_to_src(model)
+            res[method] = timed(fn, reps, dev)
+        res["speedup_vs_loop"] = res["per_buffer_loop"] / res["zero_buffers.broadcast_buffers"]
+        res["ratio_vs_raw"] = res["zero_buffers.broadcast_buffers"] / res["raw_flat_broadcast"]
+        res["ratio_vs_torch_coalesced"] = res["zero_buffers.broadcast_buffers"] / res["torch_broadcast_coalesced"]
+        res["MB_per_s_ours"] = nbytes / res["zero_buffers.broadcast_buffers"] / 1e6
+        res["MB_per_s_raw"] = nbytes / res["raw_flat_broadcast"] / 1e6
+        rows.append(res)
+        ctx["log"](f"broadcast {name}: {len(tensors)} buffers, {nbytes / 1e6:.2f} MB, "
+                   f"loop/ours {res['speedup_vs_loop']:.1f}x, ours/raw {res['ratio_vs_raw']:.2f}x")
+    return rows
+
+
+def bench_check(ctx: dict) -> list[dict]:
+    """Section 2: buffer_report when everything agrees, against one broadcast of the same buffers."""
+    import zero_buffers as zb
+
+    rows = []
+    for name, builder in buffer_sets(ctx["quick"]).items():
+        torch.manual_seed(0)
+        model = builder().to(ctx["device"])  # identical on every rank
+        report = zb.buffer_report(model)
+        if not report.in_sync:
+            raise AssertionError(f"{name}: identical buffers reported out of sync")
+        t_report = timed(lambda: zb.buffer_report(model), ctx["repeats"], ctx["device"])
+        t_bcast = timed(lambda: zb.broadcast_buffers(model), ctx["repeats"], ctx["device"])
+        rows.append({"set": name, "buffer_report": t_report, "broadcast_buffers": t_bcast,
+                     "report_over_broadcast": t_report / t_bcast})
+        ctx["log"](f"check {name}: report/broadcast {t_report / t_bcast:.2f}")
+    return rows
+
+
+def bench_frozen(ctx: dict) -> list[dict]:
+    """Section 3: per-call forward of a frozen module: GatheredParameters around ZeRO-3 vs frozen_replica vs plain."""
+    import deepspeed
+
+    import zero_buffers as zb
+
+    if ctx["device"].type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    width = 8 if ctx["quick"] else 32
+
+    def tokenizer() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv3d(3, width, 3, padding=1), nn.BatchNorm3d(width), nn.ReLU(),
+                             nn.Conv3d(width, width, 3, padding=1, stride=2), nn.BatchNorm3d(width)).eval()
+
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        partitioned = tokenizer()
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        replica = zb.frozen_replica(tokenizer())
+    plain = tokenizer().to(ctx["device"])
+    params = list(partitioned.parameters())
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return partitioned(x)
+
+    rows = []
+    for size in ((8, 32) if not ctx["quick"] else (4, 8)):
+        x = torch.randn(1, 3, 4, size, size, device=ctx["device"])
+        with torch.no_grad():
+            want = plain(x)
+        for out in (gathered(x), replica(x)):
+            torch.testing.assert_close(out, want)
+        r = {"input": f"1x3x4x{size}x{size}"}
+        r["GatheredParameters"] = timed(lambda: gathered(x), ctx["repeats"], ctx["device"])
+        r["frozen_replica"] = timed(lambda: replica(x), ctx["repeats"], ctx["device"])
+        with torch.no_grad():
+            r["plain"] = timed(lambda: plain(x), ctx["repeats"], ctx["device"])
+        r["frozen_over_plain"] = r["frozen_replica"] / r["plain"]
+        r["gathered_over_frozen"] = r["GatheredParameters"] / r["frozen_replica"]
+        rows.append(r)
+        ctx["log"](f"frozen {r['input']}: gathered/frozen {r['gathered_over_frozen']:.1f}x, "
+                   f"frozen/plain {r['frozen_over_plain']:.2f}x")
+    return rows
+
+
+def bench_bn(ctx: dict) -> list[dict]:
+    """Section 4: average_bn_stats vs a timm-style per-tensor all-reduce loop; recompute_bn_stats throughput."""
+    import zero_buffers as zb
+
+    rows = []
+    blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 23, 3)
+    model = scrambled(lambda: resnet_bn_net(blocks), ctx["rank"], ctx["device"])
+    snapshot = [b.clone() for b in model.buffers()]
+
+    def reset() -> None:
+        with torch.no_grad():
+            for b, s in zip(model.buffers(), snapshot):
+                b.copy_(s)
+
+    def ours() -> None:
+        reset()
+        zb.average_bn_stats(model)
+
+    def timm() -> None:
+        reset()
+        timm_distribute_bn(model, ctx["world"])
+
+    t_ours, t_timm = timed(ours, ctx["repeats"], ctx["device"]), timed(timm, ctx["repeats"], ctx["device"])
+    t_reset = timed(reset, ctx["repeats"], ctx["device"])
+    rows.append({"what": "merge BN stats (ResNet-101 BN set)" if not ctx["quick"] else "merge BN stats",
+                 "zero_buffers.average_bn_stats": t_ours - t_reset, "timm_style_loop": t_timm - t_reset,
+                 "speedup": (t_timm - t_reset) / max(t_ours - t_reset, 1e-9)})
+    ctx["log"](f"bn merge: timm-loop/ours {rows[-1]['speedup']:.1f}x")
+
+    recompute = getattr(zb, "recompute_bn_stats", None)
+    if recompute is not None:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                            nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)).to(ctx["device"])
+        n_batches = 4 if ctx["quick"] else 16
+        data = [torch.randn(32, 3, 32, 32, device=ctx["device"]) for _ in range(n_batches)]
+
+        def single_pass() -> None:
+            net.train()
+            with torch.no_grad():
+                for x in data:
+                    net(x)
+
+        t_rec = timed(lambda: recompute(net, data, progress=False), ctx["repeats"], ctx["device"])
+        t_one = timed(single_pass, ctx["repeats"], ctx["device"])
+        samples = n_batches * 32
+        rows.append({"what": "recompute_bn_stats (per rank: 16 batches of 32x3x32x32)",
+                     "zero_buffers.recompute_bn_stats": t_rec, "single_process_pass": t_one,
+                     "speedup": t_one / t_rec, "samples_per_s_per_rank": samples / t_rec})
+        ctx["log"](f"recompute: {samples / t_rec:.0f} samples/s per rank, overhead {t_rec / t_one:.2f}x a plain pass")
+    return rows
+
+
+def bench_scaling(ctx: dict) -> list[dict]:
+    """Section 5: time vs number of buffers, three ways (the world-size axis comes from running at several N)."""
+    import zero_buffers as zb
+
+    counts = (10, 50) if ctx["quick"] else (10, 50, 200, 1000, 2000)
+    rows = []
+    for n in counts:
+        model = scrambled(lambda: many_buffers(n), ctx["rank"], ctx["device"])
+        tensors = list(model.buffers())
+        reps = max(3, ctx["repeats"] // (1 + n // 500))
+        rows.append({"buffers": n,
+                     "per_buffer_loop": timed(lambda: per_buffer_loop(tensors, 0), reps, ctx["device"]),
+                     "torch_broadcast_coalesced": timed(lambda: torch_broadcast_coalesced(tensors, 0), reps,
+                                                        ctx["device"]),
+                     "zero_buffers.broadcast_buffers": timed(lambda: zb.broadcast_buffers(model, 0), reps,
+                                                             ctx["device"])})
+        check_equal_to_src(model)
+        ctx["log"](f"scaling {n} buffers done")
+    return rows
+
+
+def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    """One rank: join the group, run the asked sections, rank 0 writes JSON."""
+    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=os.environ["ZB_BENCH_PORT"])
+    torch.set_num_threads(1)
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    log = (lambda msg: print(f"[world {world}] {msg}", flush=True)) if rank == 0 else (lambda msg: None)
+    ctx = {"rank": rank, "world": world, "device": device, "quick": args.quick, "log": log,
+           "repeats": 3 if args.quick else args.repeats}
+    funcs = {"broadcast": bench_broadcast, "check": bench_check, "frozen": bench_frozen, "bn": bench_bn,
+             "scaling": bench_scaling}
+    results = {}
+    for section in args.only:
+        log(f"section {section} ...")
+        results[section] = funcs[section](ctx)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"world": world, "backend": dist.get_backend(), "device": device.type,
+                                         "results": results}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace) -> dict:
+    """Spawn ``world`` ranks for the sections asked; return rank 0's results."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["ZB_BENCH_PORT"] = str(s.getsockname()[1])
+    tmp = tempfile.mkdtemp(prefix="zb_bench_")
+    out = os.path.join(tmp, "out.json")
+    mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), args, out), nprocs=world,
+                       start_method="spawn")
+    return json.loads(Path(out).read_text())
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v * 1e3:.3f} ms" if v < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown(all_results: list[dict], meta: dict) -> str:
+    """The results as Markdown tables (times in ms; ratios as x)."""
+    lines = [f"# zero_buffers benchmarks", "", f"{meta['when']} on {meta['machine']}; torch {meta['torch']}; "
+             f"{'quick mode (sizes too small to claim anything)' if meta['quick'] else 'default sizes'}. "
+             "Median of the slowest rank over repeats.", ""]
+    for res in all_results:
+        lines.append(f"## world size {res['world']} ({res['backend']}, {res['device']})")
+        for section, rows in res["results"].items():
+            if not rows:
+                continue
+            lines += ["", f"### {section}", ""]
+            keys = list(rows[0].keys())
+            for r in rows[1:]:
+                keys += [k for k in r if k not in keys]
+            lines.append("| " + " | ".join(keys) + " |")
+            lines.append("|" + "---|" * len(keys))
+            for r in rows:
+                cells = []
+                for k in keys:
+                    v = r.get(k, "")
+                    if isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
+                        cells.append(f"{v:.2f}x")
+                    elif isinstance(v, float) and "per_s" in k:
+                        cells.append(f"{v:,.0f}")
+                    elif isinstance(v, float):
+                        cells.append(f"{v * 1e3:.3f} ms")
+                    else:
+                        cells.append(str(v))
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(all_results: list[dict], path: Path) -> bool:
+    """scaling.png: time vs number of buffers per method, one line style per world size."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"per_buffer_loop": "tab:red", "torch_broadcast_coalesced": "tab:blue",
+              "zero_buffers.broadcast_buffers": "tab:green"}
+    styles = {2: "-o", 4: "--s", 8: ":^"}
+    for res in all_results:
+        rows = res["results"].get("scaling", [])
+        if not rows:
+            continue
+        xs = [r["buffers"] for r in rows]
+        for method, color in colors.items():
+            axes[0].plot(xs, [r[method] * 1e3 for r in rows], styles.get(res["world"], "-"), color=color,
+                         label=f"{method} (world {res['world']})")
+    axes[0].set(xscale="log", yscale="log", xlabel="number of buffers", ylabel="ms per sync (median)",
+                title="Buffer broadcast vs number of buffers")
+    axes[0].legend(fontsize=7)
+    worlds = [r["world"] for r in all_results if r["results"].get("broadcast")]
+    for method, color in colors.items():
+        ys = [next(r for r in res["results"]["broadcast"] if r["set"].startswith("resnet"))[method] * 1e3
+              for res in all_results if res["results"].get("broadcast")]
+        if ys:
+            axes[1].plot(worlds, ys, "-o", color=color, label=method)
+    axes[1].set(xlabel="world size (ranks)", ylabel="ms per sync (median)", yscale="log",
+                title="ResNet-50 BN buffers vs world size")
+    axes[1].set_xticks(worlds or [2])
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 repeats: correctness only")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    all_results = [run_world(w, args) for w in args.world]
+    meta = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
+                       + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+            "torch": torch.__version__, "quick": args.quick, "seconds": round(time.perf_counter() - started, 1)}
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": all_results}, indent=1))
+    md = markdown(all_results, meta)
+    (args.out / "results.md").write_text(md)
+    plotted = plot(all_results, args.out / "scaling.png")
+    print(md)
+    print(f"\nwrote {args.out / 'results.json'}, results.md{', scaling.png' if plotted else ''} "
+          f"in {meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

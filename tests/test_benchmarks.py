@@ -1,0 +1,32 @@
+"""The benchmark driver in --quick mode: every section runs on real ranks and writes JSON, Markdown and a plot.
+
+Correctness only (each method's result is checked inside the run); no timing is asserted here.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmarks_write_every_output(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--world", "2",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    run = data["runs"][0]
+    assert run["world"] == 2 and data["meta"]["quick"] is True
+    results = run["results"]
+    assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling"}
+    methods = {"per_buffer_loop", "torch_broadcast_coalesced", "zero_buffers.broadcast_buffers", "raw_flat_broadcast"}
+    for row in results["broadcast"]:
+        assert methods <= row.keys() and all(row[m] > 0 for m in methods) and row["bytes"] > 0
+    assert {r["set"] for r in results["broadcast"]} == {"resnet50_bn", "vit_nonpersistent", "resnet50_bn_bf16"}
+    assert [r["buffers"] for r in results["scaling"]] == [10, 50]
+    assert len(results["frozen"]) == 2 and all(r["plain"] > 0 for r in results["frozen"])
+    md = (tmp_path / "results.md").read_text()
+    assert "## world size 2" in md and "### broadcast" in md and "quick mode" in md
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
