@@ -111,7 +111,7 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
             if persistent_only and key in mod._non_persistent_buffers_set:
                 continue
             name = f"{mod_name}.{key}" if mod_name else key
-            if not _ignored(name, skip):
+            if not skip or not _ignored(name, skip):
                 seen.add(id(buf))
                 out.append((name, buf))
     if include_parameters:
