@@ -47,3 +47,11 @@ def test_buffers_diverge_shows_the_bug_and_each_fix(nproc):
 def test_unknown_repro_is_a_usage_error():
     out = _cli("repro", "no_such_script")
     assert out.returncode == 2 and "unknown repro 'no_such_script'" in out.stderr
+
+
+def test_repro_runs_under_accelerate_launch_with_deepspeed_zero3():
+    out = _cli("repro", "zero3_frozen_hf_accelerate", "--nproc", "2", "--launcher", "accelerate")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "--launcher accelerate" in out.stdout and "RESULT: all fixes hold" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
+    assert len(rows) == 5 and all(r.rstrip().endswith("yes") for r in rows)
