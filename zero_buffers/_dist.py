@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
+import pickle
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +25,10 @@ from .errors import (
 )
 
 Timeout = float | datetime.timedelta | None
+
+# c10d adds a wait's timeout to a nanosecond steady clock, which overflows (and then "times out" at
+# once) from about 1e10 s; check_timeout treats timeouts of this many seconds (11.6 days) or more as none.
+_MAX_WAIT_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,15 @@ def resolve_group(group: Any = None) -> Group | None:
         return None
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return None
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise InvalidArgumentError(
+            f"group must be a torch.distributed ProcessGroup (or None for the default group), got "
+            f"{type(group).__name__} {group!r:.60}")
     pg = group if group is not None else dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(pg))
+    try:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise InvalidArgumentError(f"group {pg!r:.60} is not a live process group (destroyed?): {e}") from e
     if len(ranks) <= 1:
         return None
     return Group(pg=group, rank=dist.get_rank(), ranks=ranks, backend=str(dist.get_backend(pg)))
@@ -84,8 +98,45 @@ def check_module(module: Any, fn: str) -> nn.Module:
     """Raise InvalidArgumentError unless ``module`` is an nn.Module."""
     if isinstance(module, nn.Module):
         return module
-    hint = " (pass the module that owns it, not a parameter or tensor)" if isinstance(module, torch.Tensor) else ""
+    if isinstance(module, torch.Tensor):
+        hint = " (pass the module that owns it, not a parameter or tensor)"
+    elif isinstance(module, Iterable) and not isinstance(module, (str, bytes)):
+        hint = " (pass the module itself, not module.parameters()/buffers() or a list; wrap several in nn.ModuleList)"
+    else:
+        hint = ""
     raise InvalidArgumentError(f"{fn}() expects a torch.nn.Module, got {type(module).__name__}{hint}")
+
+
+def check_ignore(ignore: Any, fn: str) -> tuple[str, ...]:
+    """Raise InvalidArgumentError unless ``ignore`` is an iterable of str (a bare str is refused, not split)."""
+    if isinstance(ignore, (str, bytes)):
+        raise InvalidArgumentError(
+            f"{fn}(): ignore must be a collection of buffer names or module paths, got the bare string {ignore!r}; "
+            f"write ignore=({ignore!r},)")
+    if not isinstance(ignore, Iterable):
+        raise InvalidArgumentError(f"{fn}(): ignore must be a collection of str, got {type(ignore).__name__}")
+    names = tuple(ignore)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise InvalidArgumentError(f"{fn}(): ignore must hold str names, got {type(bad[0]).__name__} {bad[0]!r}")
+    return names
+
+
+def check_timeout(timeout: Any, fn: str) -> datetime.timedelta | None:
+    """Normalise ``timeout`` (seconds > 0 or a timedelta; None, inf or >= _MAX_WAIT_S: none); else InvalidArgumentError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise InvalidArgumentError(
+            f"{fn}(): timeout must be seconds (a number > 0), a datetime.timedelta or None, got "
+            f"{type(timeout).__name__} {timeout!r:.40}")
+    if math.isnan(seconds) or seconds <= 0:
+        raise InvalidArgumentError(f"{fn}(): timeout must be > 0 seconds (None waits forever), got {timeout!r}")
+    return None if seconds >= _MAX_WAIT_S else datetime.timedelta(seconds=seconds)
 
 
 def _ignored(name: str, ignore: frozenset[str]) -> bool:
@@ -99,9 +150,7 @@ def _ignored(name: str, ignore: frozenset[str]) -> bool:
 def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
                   persistent_only: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Buffers (then plain, non-ZeRO parameters if asked) by qualified name; None and aliases skipped."""
-    if isinstance(ignore, str):
-        ignore = (ignore,)
-    skip = frozenset(ignore)
+    skip = frozenset(check_ignore(ignore, "named_buffers"))
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
@@ -139,14 +188,17 @@ def _digest(data: bytes | memoryview) -> int:
 
 
 def wait_all(works: Sequence[Any], timeout: Timeout, what: str) -> None:
-    """Wait for async collectives; a failure or timeout becomes CollectiveError."""
+    """Wait for async collectives, all within one ``timeout``; a failure or timeout becomes CollectiveError."""
     td = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    end = None if td is None else time.monotonic() + td.total_seconds()
     try:
-        for w in works:
-            w.wait() if td is None else w.wait(timeout=td)
+        for w in works:  # one deadline for the whole batch, not one timeout per work
+            w.wait() if end is None else w.wait(timeout=datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
     except RuntimeError as e:
+        cause = (f"the collective did not complete within timeout={td.total_seconds():g} s (a peer stalled, died "
+                 f"or never called {what})" if td is not None and "timed out" in str(e).lower() else str(e))
         raise CollectiveError(
-            f"{what} failed on rank {dist.get_rank()}: {e}. No buffer was modified; the process group may be "
+            f"{what} failed on rank {dist.get_rank()}: {cause}. No buffer was modified; the process group may be "
             "unusable now (a peer died or stalled)"
         ) from e
 
@@ -167,12 +219,18 @@ def agree_on_structure(g: Group, call: tuple, entries: list[tuple[str, str]], ti
     digests = all_gather_tensor(g, torch.tensor([mine], dtype=torch.int64, device=g.device), timeout, what)
     if all(int(d.item()) == mine for d in digests):
         return
-    objs: list[Any] = [None] * g.size
-    try:
-        dist.all_gather_object(objs, (call, entries), group=g.pg)
-    except RuntimeError as e:
-        raise CollectiveError(f"{what}: gathering the differing structure failed on rank {g.rank}: {e}") from e
-    raise _mismatch_error(what, list(g.ranks), objs)
+    raise _mismatch_error(what, list(g.ranks), gather_objects(g, (call, entries), timeout, what))
+
+
+def gather_objects(g: Group, obj: Any, timeout: Timeout, what: str) -> list[Any]:
+    """all_gather a picklable object (like dist.all_gather_object, but under ``timeout``): sizes, then padded bytes."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = all_gather_tensor(g, torch.tensor([data.numel()], dtype=torch.int64, device=g.device), timeout, what)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=g.device)
+    padded[:data.numel()] = data.to(g.device)
+    blobs = all_gather_tensor(g, padded, timeout, what)
+    return [pickle.loads(b[:int(s.item())].cpu().numpy().tobytes()) for b, s in zip(blobs, sizes)]
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -27,7 +27,8 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
 
     Covers every ``_NormBase`` that tracks running stats (BatchNorm1d/2d/3d, SyncBatchNorm). The sums
     are computed in float64 with one all-reduce for the whole model, after a structure check; buffers
-    are written only once the all-reduce succeeded. Layers no rank has updated (all counters 0) are left
+    are written only once the all-reduce succeeded (a peer that dies, or stalls past ``timeout`` seconds
+    per step, raises :class:`CollectiveError` and changes nothing). Layers no rank has updated (all counters 0) are left
     alone. A no-op without a process group. Returns the number of layers merged.
 
     Example::
@@ -35,6 +36,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
         zero_buffers.average_bn_stats(model)     # before saving the checkpoint on rank 0
     """
     _dist.check_module(module, "average_bn_stats")
+    timeout = _dist.check_timeout(timeout, "average_bn_stats")
     g = _dist.resolve_group(group)
     bns = _bn.tracking_bn_modules(module)
     if g is None or not bns:
