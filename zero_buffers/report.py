@@ -65,7 +65,7 @@ class BufferReport:
 
 
 def _max_abs_diff(values: list[torch.Tensor], ref: int) -> list[float]:
-    """Per rank, max |x_r - x_ref| in float64; NaN equals NaN, NaN vs a number counts as inf."""
+    """Per rank, max |x_r - x_ref| in float64; equal values (NaN and NaN, inf and inf) count 0, NaN vs a number inf."""
     base = values[ref].to(torch.float64) if not values[ref].is_complex() else values[ref].to(torch.complex128)
     out = []
     for v in values:
@@ -74,8 +74,8 @@ def _max_abs_diff(values: list[torch.Tensor], ref: int) -> list[float]:
             out.append(0.0)
             continue
         diff = (x - base).abs()
-        both_nan = torch.isnan(x) & torch.isnan(base)
-        diff = torch.where(both_nan, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
+        same = (x == base) | (torch.isnan(x) & torch.isnan(base))  # inf - inf is NaN, but inf equals inf
+        diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
         out.append(float(diff.max()))
     return out
 
