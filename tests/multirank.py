@@ -178,7 +178,7 @@ class RankPool:
 
         allowed = frozenset(allow_dead)
         if not allowed < frozenset(range(self.world_size)):
-            raise ValueError(f"allow_dead={sorted(allowed)} must be a proper subset of the ranks 0..{self.world_size - 1}")
+            raise ValueError(f"allow_dead={sorted(allowed)} must be a proper subset of ranks 0..{self.world_size - 1}")
         if not self.alive:
             self._kill()
             self._start()

@@ -18,6 +18,7 @@ import zero_buffers as zb
 import zero_buffers._dist as _dist
 from tests.helpers import bitwise_equal, scramble
 
+ERROR_PATH = "error path: gather the structures to build the message"
 COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list",
                "all_reduce", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier")
 
@@ -29,7 +30,7 @@ class BNNet(nn.Module):
         super().__init__()
         for n in (["bn1", "bn2"] if kind != "order" else ["bn2", "bn1"]):
             setattr(self, n, nn.BatchNorm1d(3))
-        self.register_buffer("codebook", torch.zeros(4))
+        self.register_buffer("codebook", torch.zeros(2, 4))
         if kind == "extra":
             self.bn3 = nn.BatchNorm1d(3)
         elif kind == "missing":
@@ -46,6 +47,12 @@ class BNNet(nn.Module):
             self.bn1.num_batches_tracked = None
         elif kind == "untracked":
             self.bn2 = nn.BatchNorm1d(3, track_running_stats=False)
+        elif kind == "shape2d":
+            self.codebook = torch.zeros(2, 5)
+        elif kind == "device2d":
+            self.codebook = torch.zeros(2, 4, device="meta")
+        elif kind == "layout":
+            self.codebook = torch.zeros(2, 4).to_sparse()
 
 
 EXPECTED = {  # the same message for every function: the BatchNorm statistics are buffers for all of them
@@ -58,7 +65,12 @@ EXPECTED = {  # the same message for every function: the BatchNorm statistics ar
     "order": r"register the same buffers in a different order",
     "counter": r"at 'bn1.num_batches_tracked' \(missing on some ranks\)",
     "untracked": r"at 'bn2.running_mean' \(missing on some ranks\)",
+    # a plain 2-D buffer: average_bn_stats does not look at it (see test_average_ignores_plain_buffer_faults)
+    "shape2d": r"at 'codebook' \(shape differs\): .*float32\[2, 4\] cpu.*float32\[2, 5\] cpu",
+    "device2d": r"at 'codebook' \(device differs\): .*float32\[2, 4\] meta",
+    "layout": r"at 'codebook' \(layout differs\): .*float32\[2, 4\] cpu sparse_coo",
 }
+PLAIN = ("shape2d", "device2d", "layout")
 KINDS = list(EXPECTED)
 FNS = {
     "broadcast_buffers": lambda m: zb.broadcast_buffers(m),
@@ -74,9 +86,15 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _unchanged(before: dict[str, torch.Tensor], model: nn.Module) -> bool:
     after = dict(model.named_buffers())
-    return before.keys() == after.keys() and all(
-        after[n].is_meta and before[n].is_meta and after[n].shape == before[n].shape
-        if before[n].is_meta else bitwise_equal(before[n], after[n]) for n in before)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if a.is_meta or b.is_meta:
+            return a.is_meta and b.is_meta and a.shape == b.shape
+        if a.layout != torch.strided or b.layout != torch.strided:
+            return a.layout == b.layout and bitwise_equal(a.to_dense(), b.to_dense())
+        return bitwise_equal(a, b)
+
+    return before.keys() == after.keys() and all(same(before[n], after[n]) for n in before)
 
 
 def _logging_collectives(log: list) -> dict:
@@ -95,7 +113,7 @@ def _logging_collectives(log: list) -> dict:
         setattr(dist, name, wrap(name))
 
     def error_path(*args, **kwargs):
-        log.append(("error path: gather the structures to build the message",))
+        log.append((ERROR_PATH,))
         return real["gather_objects"](*args, **kwargs)
 
     _dist.gather_objects = error_path
@@ -110,7 +128,7 @@ def _restore(real: dict) -> None:
 
 def _structure_fault(rank, world, kind, fn, odd_rank):
     model = BNNet(kind if rank == odd_rank else None)
-    if not (kind == "device" and rank == odd_rank):
+    if not (kind in ("device", "device2d", "layout") and rank == odd_rank):
         scramble(model, rank)
     before = _snapshot(model)
     log: list = []
@@ -138,14 +156,24 @@ def _check(out, kind, odd_rank):
         assert unchanged  # nothing changed on any rank
         # Within one collective: exactly one all_gather of one int64 (the structure digest) decides; the
         # error path then only gathers the structures (sizes, then bytes) to name the culprit. No data moves.
-        assert log[:2] == [("all_gather", "torch.int64", 1), ("error path: gather the structures to build the message",)]
+        assert log[:2] == [("all_gather", "torch.int64", 1), (ERROR_PATH,)]
         assert [e[:2] for e in log[2:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], log
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("fn", list(FNS))
+@pytest.mark.parametrize("fn,kind", [(fn, kind) for fn in FNS for kind in KINDS
+                                     if not (fn == "average_bn_stats" and kind in PLAIN)])
 def test_every_structure_fault_raises_the_same_error_within_one_collective(ranks2, fn, kind):
     _check(ranks2.run(_structure_fault, kind, fn, 1, timeout=30), kind, 1)
+
+
+@pytest.mark.parametrize("kind", PLAIN)
+def test_average_ignores_plain_buffer_faults(ranks2, kind):
+    # average_bn_stats agrees on (and touches) BatchNorm statistics only: a fault in another buffer is not its
+    # business, so it merges as usual: the digest, then one all-reduce of 2 layers x (count + 2 x 3 channels)
+    out = ranks2.run(_structure_fault, kind, "average_bn_stats", 1, timeout=30)
+    assert [err for err, _, _ in out] == [None, None]
+    assert all(log == [("all_gather", "torch.int64", 1), ("all_reduce", "torch.float64", 2 * (1 + 2 * 3))]
+               for _, log, _ in out), out
 
 
 @pytest.mark.parametrize("fn", list(FNS))
@@ -175,7 +203,8 @@ def test_agreeing_structure_costs_the_same_single_digest_gather(ranks2, fn):
 
 CALL_FAULTS = {  # ranks call with different arguments, or different functions altogether
     "atol": (lambda m: zb.buffer_report(m, atol=0.0), lambda m: zb.buffer_report(m, atol=0.5)),
-    "include_parameters": (lambda m: zb.broadcast_buffers(m), lambda m: zb.broadcast_buffers(m, include_parameters=True)),
+    "include_parameters": (lambda m: zb.broadcast_buffers(m),
+                           lambda m: zb.broadcast_buffers(m, include_parameters=True)),
     "function": (lambda m: zb.broadcast_buffers(m), lambda m: zb.buffer_report(m)),
     "average_vs_assert": (lambda m: zb.average_bn_stats(m), lambda m: zb.assert_buffers_in_sync(m)),
 }

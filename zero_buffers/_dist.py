@@ -6,6 +6,7 @@ import hashlib
 import math
 import os
 import pickle
+import re
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ class Group:
 
 def resolve_group(group: Any = None) -> Group | None:
     """Resolve ``group``; ``None`` means nothing to synchronise (not distributed, world 1, or not a member)."""
+    if dist.is_available() and not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER
+                                    or isinstance(group, dist.ProcessGroup)):
+        raise InvalidArgumentError(
+            f"group must be a torch.distributed ProcessGroup (or None for the default group), got "
+            f"{type(group).__name__} {group!r:.60}")
     if not (dist.is_available() and dist.is_initialized()):
         env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
         if env_world.isdigit() and int(env_world) > 1:
@@ -64,10 +70,6 @@ def resolve_group(group: Any = None) -> Group | None:
         return None
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return None
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise InvalidArgumentError(
-            f"group must be a torch.distributed ProcessGroup (or None for the default group), got "
-            f"{type(group).__name__} {group!r:.60}")
     pg = group if group is not None else dist.group.WORLD
     try:
         ranks = tuple(dist.get_process_group_ranks(pg))
@@ -123,7 +125,7 @@ def check_ignore(ignore: Any, fn: str) -> tuple[str, ...]:
 
 
 def check_timeout(timeout: Any, fn: str) -> datetime.timedelta | None:
-    """Normalise ``timeout`` (seconds > 0 or a timedelta; None, inf or >= _MAX_WAIT_S: none); else InvalidArgumentError."""
+    """Normalise ``timeout`` (seconds > 0 or a timedelta; None, inf, >= _MAX_WAIT_S: none) or InvalidArgumentError."""
     if timeout is None:
         return None
     if isinstance(timeout, datetime.timedelta):
@@ -178,8 +180,12 @@ def is_persistent(module: nn.Module, name: str) -> bool:
 
 
 def describe(t: torch.Tensor) -> str:
-    """``float32[64] cpu``: what structure agreement compares."""
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} {t.device.type}"
+    """``float32[64] cpu`` (plus `` sparse_coo`` etc. for non-strided layouts): what structure agreement compares."""
+    layout = "" if t.layout == torch.strided else " " + str(t.layout).replace("torch.", "")
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} {t.device.type}{layout}"
+
+
+_DESCRIPTION = re.compile(r"^(?P<dtype>\w+)(?P<shape>\[[^\]]*\]) (?P<device>\S+)(?: (?P<layout>\S+))?$")
 
 
 def _digest(data: bytes | memoryview) -> int:
@@ -276,20 +282,32 @@ def _mismatch_error(what: str, ranks: list[int], objs: list[Any]) -> BufferStruc
 
 
 def _which_differs(values: list[str]) -> str:
-    """Name the attribute (dtype, shape, device) that differs between descriptions."""
-    parts = [v.replace("[", " [", 1).split(" ") for v in values]
-    labels = ("dtype", "shape", "device")
-    diff = [lab for i, lab in enumerate(labels) if len({p[i] if i < len(p) else "" for p in parts}) > 1]
+    """Name the attributes (dtype, shape, device, layout) that differ between ``describe`` strings."""
+    parsed = [m.groupdict() if (m := _DESCRIPTION.match(v)) else {} for v in values]
+    diff = [lab for lab in ("dtype", "shape", "device", "layout") if len({p.get(lab) for p in parsed}) > 1]
     return " and ".join(diff) + " differs" if diff else "differs"
 
 
-def reject_meta(entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
-    """Raise InvalidArgumentError if any tensor lives on the meta device (it has no data)."""
+def reject_unsupported(entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
+    """Raise InvalidArgumentError for tensors that cannot be sent: meta (no data), non-strided layouts, quantized.
+
+    Called after structure agreement (which compares device and layout), so every rank raises the same error.
+    """
     meta = [n for n, t in entries if t.is_meta]
     if meta:
         raise InvalidArgumentError(
             f"{fn}(): {len(meta)} tensor(s) are on the meta device and hold no data, e.g. '{meta[0]}'. "
             "Materialise the module (to_empty + load, or build it outside a meta-device context) first")
+    odd = [(n, t.layout) for n, t in entries if t.layout != torch.strided]
+    if odd:
+        raise InvalidArgumentError(
+            f"{fn}(): {len(odd)} tensor(s) have a {str(odd[0][1]).replace('torch.', '')} layout, e.g. '{odd[0][0]}'; "
+            "only dense (strided) tensors are supported: register t.to_dense() or pass ignore=(name,)")
+    quant = [n for n, t in entries if t.is_quantized]
+    if quant:
+        raise InvalidArgumentError(
+            f"{fn}(): {len(quant)} quantized tensor(s), e.g. '{quant[0]}', cannot be sent by torch.distributed; "
+            "pass ignore=(name,) or register the dequantized / int_repr() tensors")
 
 
 def check_backend_devices(g: Group, entries: list[tuple[str, torch.Tensor]], fn: str) -> None:

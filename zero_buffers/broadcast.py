@@ -41,7 +41,7 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     entries = _dist.named_buffers(module, ignore=ignore, include_parameters=include_parameters)
     _dist.agree_on_structure(g, ("broadcast_buffers", src, include_parameters),
                              [(n, _dist.describe(t)) for n, t in entries], timeout, "broadcast_buffers")
-    _dist.reject_meta(entries, "broadcast_buffers")
+    _dist.reject_unsupported(entries, "broadcast_buffers")
     _dist.check_backend_devices(g, entries, "broadcast_buffers")
     _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, "broadcast_buffers")
     return len(entries)

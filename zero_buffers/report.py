@@ -122,7 +122,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
 
     _dist.agree_on_structure(g, ("buffer_report", float(atol), include_parameters),
                              [(n, _dist.describe(t)) for n, t in entries], timeout, fn)
-    _dist.reject_meta(entries, fn)
+    _dist.reject_unsupported(entries, fn)
     _dist.check_backend_devices(g, entries, fn)
     mine = _dist.content_digests([t for _, t in entries]).to(g.device)
     digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, fn)])
