@@ -11,16 +11,10 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-import zero_buffers._dist as _dist
-from tests.helpers import bitwise_equal, scramble
-
-ERROR_PATH = "error path: gather the structures to build the message"
-COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list",
-               "all_reduce", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier")
+from tests.helpers import ERROR_PATH, bitwise_equal, log_collectives, restore_collectives, scramble
 
 
 class BNNet(nn.Module):
@@ -97,49 +91,20 @@ def _unchanged(before: dict[str, torch.Tensor], model: nn.Module) -> bool:
     return before.keys() == after.keys() and all(same(before[n], after[n]) for n in before)
 
 
-def _logging_collectives(log: list) -> dict:
-    """Wrap every torch.distributed collective (and the library's error path) to log calls; returns the originals."""
-    real = {name: getattr(dist, name) for name in COLLECTIVES}
-    real["gather_objects"] = _dist.gather_objects
-
-    def wrap(name):
-        def logged(*args, **kwargs):
-            t = args[1] if name == "all_gather" else (args[0] if args else None)
-            log.append((name, str(t.dtype), t.numel()) if isinstance(t, torch.Tensor) else (name,))
-            return real[name](*args, **kwargs)
-        return logged
-
-    for name in COLLECTIVES:
-        setattr(dist, name, wrap(name))
-
-    def error_path(*args, **kwargs):
-        log.append((ERROR_PATH,))
-        return real["gather_objects"](*args, **kwargs)
-
-    _dist.gather_objects = error_path
-    return real
-
-
-def _restore(real: dict) -> None:
-    _dist.gather_objects = real.pop("gather_objects")
-    for name, fn in real.items():
-        setattr(dist, name, fn)
-
-
 def _structure_fault(rank, world, kind, fn, odd_rank):
     model = BNNet(kind if rank == odd_rank else None)
     if not (kind in ("device", "device2d", "layout") and rank == odd_rank):
         scramble(model, rank)
     before = _snapshot(model)
     log: list = []
-    real = _logging_collectives(log)
+    real = log_collectives(log)
     try:
         FNS[fn](model)
         err = None
     except zb.ZeroBuffersError as e:
         err = (type(e).__name__, str(e), getattr(e, "name", None), getattr(e, "details", None))
     finally:
-        _restore(real)
+        restore_collectives(real)
     return err, log, _unchanged(before, model)
 
 
@@ -185,11 +150,11 @@ def _agreeing(rank, world, fn):
     """The control: the same structure on every rank goes through with the one digest all_gather first."""
     model = scramble(BNNet(None), rank)
     log: list = []
-    real = _logging_collectives(log)
+    real = log_collectives(log)
     try:
         FNS[fn](model) if fn != "assert_buffers_in_sync" else zb.buffer_report(model)
     finally:
-        _restore(real)
+        restore_collectives(real)
     return log
 
 
@@ -214,14 +179,14 @@ def _call_fault(rank, world, kind):
     model = scramble(BNNet(None), rank)
     before = _snapshot(model)
     log: list = []
-    real = _logging_collectives(log)
+    real = log_collectives(log)
     try:
         CALL_FAULTS[kind][rank == world - 1](model)
         err = None
     except zb.BufferStructureError as e:
         err = (str(e), e.details)
     finally:
-        _restore(real)
+        restore_collectives(real)
     return err, log, _unchanged(before, model)
 
 
