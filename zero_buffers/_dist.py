@@ -199,7 +199,10 @@ def wait_all(works: Sequence[Any], timeout: Timeout, what: str) -> None:
     end = None if td is None else time.monotonic() + td.total_seconds()
     try:
         for w in works:  # one deadline for the whole batch, not one timeout per work
-            w.wait() if end is None else w.wait(timeout=datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
+            if end is None:
+                w.wait()
+            else:
+                w.wait(timeout=datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
     except RuntimeError as e:
         cause = (f"the collective did not complete within timeout={td.total_seconds():g} s (a peer stalled, died "
                  f"or never called {what})" if td is not None and "timed out" in str(e).lower() else str(e))

@@ -28,8 +28,8 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
     Covers every ``_NormBase`` that tracks running stats (BatchNorm1d/2d/3d, SyncBatchNorm). The sums
     are computed in float64 with one all-reduce for the whole model, after a structure check; buffers
     are written only once the all-reduce succeeded (a peer that dies, or stalls past ``timeout`` seconds
-    per step, raises :class:`CollectiveError` and changes nothing). Layers no rank has updated (all counters 0) are left
-    alone. A no-op without a process group. Returns the number of layers merged.
+    per step, raises :class:`CollectiveError` and changes nothing). Layers no rank has updated (all
+    counters 0) are left alone. A no-op without a process group. Returns the number of layers merged.
 
     Example::
 
