@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+import zero_buffers._dist as _dist
 
 
 class Toy(nn.Module):
@@ -71,3 +74,39 @@ ZERO3_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
     "zero_optimization": {"stage": 3},
 }
+
+
+# Collective logging for "within one collective" / "before any collective" checks (real collectives, wrapped).
+ERROR_PATH = "error path: gather the structures to build the message"
+COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "broadcast_object_list",
+               "all_reduce", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier")
+
+
+def log_collectives(log: list) -> dict:
+    """Wrap every torch.distributed collective (and the library's error path) to log calls; returns the originals."""
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
+    real["gather_objects"] = _dist.gather_objects
+
+    def wrap(name):
+        def logged(*args, **kwargs):
+            t = args[1] if name == "all_gather" else (args[0] if args else None)
+            log.append((name, str(t.dtype), t.numel()) if isinstance(t, torch.Tensor) else (name,))
+            return real[name](*args, **kwargs)
+        return logged
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name))
+
+    def error_path(*args, **kwargs):
+        log.append((ERROR_PATH,))
+        return real["gather_objects"](*args, **kwargs)
+
+    _dist.gather_objects = error_path
+    return real
+
+
+def restore_collectives(real: dict) -> None:
+    """Undo log_collectives."""
+    _dist.gather_objects = real.pop("gather_objects")
+    for name, fn in real.items():
+        setattr(dist, name, fn)

@@ -7,6 +7,11 @@ the pool is torn down and rebuilt on the next call. ``pytest.skip`` inside a bod
 
 Bodies are module-level functions ``fn(rank, world_size, *args)``; their return values (anything
 picklable, tensors included) come back as a list indexed by rank.
+
+Fault-injection tests pass ``allow_dead=[r, ...]``: those ranks may die (``os._exit``) or stall for good.
+The call returns once every other rank has answered, with ``None`` for each listed rank that has not;
+listed ranks still running are killed, and the pool (whose process group has seen a fault) is rebuilt
+on the next call. Every other failure (a rank raises, an unlisted rank dies, the deadline) still fails.
 """
 from __future__ import annotations
 
@@ -162,10 +167,18 @@ class RankPool:
             parts.append(f"--- stack of rank {r} ---\n{text}")
         return "\n".join(parts)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank."""
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, allow_dead: Any = (),
+            **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the results by rank.
+
+        Ranks in ``allow_dead`` may die or stall: they are not waited for (``None`` unless they answered
+        first), are killed once the others have answered, and the pool is rebuilt on the next call.
+        """
         import pytest
 
+        allowed = frozenset(allow_dead)
+        if not allowed < frozenset(range(self.world_size)):
+            raise ValueError(f"allow_dead={sorted(allowed)} must be a proper subset of ranks 0..{self.world_size - 1}")
         if not self.alive:
             self._kill()
             self._start()
@@ -179,9 +192,9 @@ class RankPool:
         deadline = time.monotonic() + timeout
         waiting = set(range(self.world_size))
         name = getattr(fn, "__name__", repr(fn))
-        while waiting:
+        while waiting - allowed:
             try:
-                _, rank, status, value = self._get(deadline, waiting, f"{name} on {self.world_size} ranks")
+                _, rank, status, value = self._get(deadline, waiting - allowed, f"{name} on {self.world_size} ranks")
             except RankFailure:
                 if skips:  # the skipping rank left its peers waiting in a collective
                     pytest.skip(next(iter(skips.values())))
@@ -202,6 +215,8 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + 5)
             else:
                 results[rank] = pickle.loads(value)
+        if allowed:
+            self._kill()  # the process group saw a dead or stalled rank: rebuild the pool on the next call
         if skips:
             pytest.skip(next(iter(skips.values())))
-        return [results[r] for r in range(self.world_size)]
+        return [results.get(r) for r in range(self.world_size)]

@@ -90,3 +90,34 @@ def test_pool_is_reused_between_calls(ranks2):
     for _ in range(3):
         ranks2.run(_rank_and_sum)
     assert ranks2.starts == starts
+
+
+def _rank1_dies_or_stalls(rank, world, how):
+    import os
+    import threading
+    if rank == 1:
+        if how == "die":
+            os._exit(5)
+        threading.Event().wait()  # never set: a stall
+    return f"rank {rank} done"
+
+
+@pytest.mark.parametrize("how", ["die", "stall"])
+def test_allow_dead_returns_the_survivors_and_rebuilds_the_pool(ranks2, how):
+    started, starts = time.monotonic(), ranks2.starts
+    out = ranks2.run(_rank1_dies_or_stalls, how, allow_dead=[1], timeout=30)
+    assert out == ["rank 0 done", None]
+    assert time.monotonic() - started < 10  # a stalled listed rank is not waited for until the deadline
+    assert not ranks2.alive  # the listed rank was killed (if it still ran) and the pool is torn down
+    assert ranks2.run(_rank_and_sum) == [(0, 2, 1.0), (1, 2, 1.0)]
+    assert ranks2.starts == starts + 1
+
+
+def test_allow_dead_still_fails_on_errors_and_on_unlisted_deaths(ranks2):
+    with pytest.raises(RankFailure, match="rank 1 of 2 raised"):  # a listed rank may die, not raise
+        ranks2.run(_rank1_raises_while_peers_block, allow_dead=[1], timeout=30)
+    with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] died"):
+        ranks2.run(_rank1_dies, allow_dead=[0], timeout=30)
+    with pytest.raises(ValueError, match="proper subset"):
+        ranks2.run(_rank_and_sum, allow_dead=[0, 1])
+    assert ranks2.run(_rank_and_sum)[0] == (0, 2, 1.0)

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import os
+import pickle
+import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +26,10 @@ from .errors import (
 )
 
 Timeout = float | datetime.timedelta | None
+
+# c10d adds a wait's timeout to a nanosecond steady clock, which overflows (and then "times out" at
+# once) from about 1e10 s; check_timeout treats timeouts of this many seconds (11.6 days) or more as none.
+_MAX_WAIT_S = 1e6
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,11 @@ class Group:
 
 def resolve_group(group: Any = None) -> Group | None:
     """Resolve ``group``; ``None`` means nothing to synchronise (not distributed, world 1, or not a member)."""
+    if dist.is_available() and not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER
+                                    or isinstance(group, dist.ProcessGroup)):
+        raise InvalidArgumentError(
+            f"group must be a torch.distributed ProcessGroup (or None for the default group), got "
+            f"{type(group).__name__} {group!r:.60}")
     if not (dist.is_available() and dist.is_initialized()):
         env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
         if env_world.isdigit() and int(env_world) > 1:
@@ -58,7 +71,10 @@ def resolve_group(group: Any = None) -> Group | None:
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         return None
     pg = group if group is not None else dist.group.WORLD
-    ranks = tuple(dist.get_process_group_ranks(pg))
+    try:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise InvalidArgumentError(f"group {pg!r:.60} is not a live process group (destroyed?): {e}") from e
     if len(ranks) <= 1:
         return None
     return Group(pg=group, rank=dist.get_rank(), ranks=ranks, backend=str(dist.get_backend(pg)))
@@ -84,8 +100,45 @@ def check_module(module: Any, fn: str) -> nn.Module:
     """Raise InvalidArgumentError unless ``module`` is an nn.Module."""
     if isinstance(module, nn.Module):
         return module
-    hint = " (pass the module that owns it, not a parameter or tensor)" if isinstance(module, torch.Tensor) else ""
+    if isinstance(module, torch.Tensor):
+        hint = " (pass the module that owns it, not a parameter or tensor)"
+    elif isinstance(module, Iterable) and not isinstance(module, (str, bytes)):
+        hint = " (pass the module itself, not module.parameters()/buffers() or a list; wrap several in nn.ModuleList)"
+    else:
+        hint = ""
     raise InvalidArgumentError(f"{fn}() expects a torch.nn.Module, got {type(module).__name__}{hint}")
+
+
+def check_ignore(ignore: Any, fn: str) -> tuple[str, ...]:
+    """Raise InvalidArgumentError unless ``ignore`` is an iterable of str (a bare str is refused, not split)."""
+    if isinstance(ignore, (str, bytes)):
+        raise InvalidArgumentError(
+            f"{fn}(): ignore must be a collection of buffer names or module paths, got the bare string {ignore!r}; "
+            f"write ignore=({ignore!r},)")
+    if not isinstance(ignore, Iterable):
+        raise InvalidArgumentError(f"{fn}(): ignore must be a collection of str, got {type(ignore).__name__}")
+    names = tuple(ignore)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise InvalidArgumentError(f"{fn}(): ignore must hold str names, got {type(bad[0]).__name__} {bad[0]!r}")
+    return names
+
+
+def check_timeout(timeout: Any, fn: str) -> datetime.timedelta | None:
+    """Normalise ``timeout`` (seconds > 0 or a timedelta; None, inf, >= _MAX_WAIT_S: none) or InvalidArgumentError."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise InvalidArgumentError(
+            f"{fn}(): timeout must be seconds (a number > 0), a datetime.timedelta or None, got "
+            f"{type(timeout).__name__} {timeout!r:.40}")
+    if math.isnan(seconds) or seconds <= 0:
+        raise InvalidArgumentError(f"{fn}(): timeout must be > 0 seconds (None waits forever), got {timeout!r}")
+    return None if seconds >= _MAX_WAIT_S else datetime.timedelta(seconds=seconds)
 
 
 def _ignored(name: str, ignore: frozenset[str]) -> bool:
@@ -99,9 +152,7 @@ def _ignored(name: str, ignore: frozenset[str]) -> bool:
 def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
                   persistent_only: bool = False) -> list[tuple[str, torch.Tensor]]:
     """Buffers (then plain, non-ZeRO parameters if asked) by qualified name; None and aliases skipped."""
-    if isinstance(ignore, str):
-        ignore = (ignore,)
-    skip = frozenset(ignore)
+    skip = frozenset(check_ignore(ignore, "named_buffers"))
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for mod_name, mod in module.named_modules(remove_duplicate=True):
@@ -129,8 +180,12 @@ def is_persistent(module: nn.Module, name: str) -> bool:
 
 
 def describe(t: torch.Tensor) -> str:
-    """``float32[64] cpu``: what structure agreement compares."""
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} {t.device.type}"
+    """``float32[64] cpu`` (plus `` sparse_coo`` etc. for non-strided layouts): what structure agreement compares."""
+    layout = "" if t.layout == torch.strided else " " + str(t.layout).replace("torch.", "")
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} {t.device.type}{layout}"
+
+
+_DESCRIPTION = re.compile(r"^(?P<dtype>\w+)(?P<shape>\[[^\]]*\]) (?P<device>\S+)(?: (?P<layout>\S+))?$")
 
 
 def _digest(data: bytes | memoryview) -> int:
@@ -139,14 +194,20 @@ def _digest(data: bytes | memoryview) -> int:
 
 
 def wait_all(works: Sequence[Any], timeout: Timeout, what: str) -> None:
-    """Wait for async collectives; a failure or timeout becomes CollectiveError."""
+    """Wait for async collectives, all within one ``timeout``; a failure or timeout becomes CollectiveError."""
     td = datetime.timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+    end = None if td is None else time.monotonic() + td.total_seconds()
     try:
-        for w in works:
-            w.wait() if td is None else w.wait(timeout=td)
+        for w in works:  # one deadline for the whole batch, not one timeout per work
+            if end is None:
+                w.wait()
+            else:
+                w.wait(timeout=datetime.timedelta(seconds=max(end - time.monotonic(), 0.001)))
     except RuntimeError as e:
+        cause = (f"the collective did not complete within timeout={td.total_seconds():g} s (a peer stalled, died "
+                 f"or never called {what})" if td is not None and "timed out" in str(e).lower() else str(e))
         raise CollectiveError(
-            f"{what} failed on rank {dist.get_rank()}: {e}. No buffer was modified; the process group may be "
+            f"{what} failed on rank {dist.get_rank()}: {cause}. No buffer was modified; the process group may be "
             "unusable now (a peer died or stalled)"
         ) from e
 
@@ -167,12 +228,18 @@ def agree_on_structure(g: Group, call: tuple, entries: list[tuple[str, str]], ti
     digests = all_gather_tensor(g, torch.tensor([mine], dtype=torch.int64, device=g.device), timeout, what)
     if all(int(d.item()) == mine for d in digests):
         return
-    objs: list[Any] = [None] * g.size
-    try:
-        dist.all_gather_object(objs, (call, entries), group=g.pg)
-    except RuntimeError as e:
-        raise CollectiveError(f"{what}: gathering the differing structure failed on rank {g.rank}: {e}") from e
-    raise _mismatch_error(what, list(g.ranks), objs)
+    raise _mismatch_error(what, list(g.ranks), gather_objects(g, (call, entries), timeout, what))
+
+
+def gather_objects(g: Group, obj: Any, timeout: Timeout, what: str) -> list[Any]:
+    """all_gather a picklable object (like dist.all_gather_object, but under ``timeout``): sizes, then padded bytes."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = all_gather_tensor(g, torch.tensor([data.numel()], dtype=torch.int64, device=g.device), timeout, what)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=g.device)
+    padded[:data.numel()] = data.to(g.device)
+    blobs = all_gather_tensor(g, padded, timeout, what)
+    return [pickle.loads(b[:int(s.item())].cpu().numpy().tobytes()) for b, s in zip(blobs, sizes)]
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -218,20 +285,32 @@ def _mismatch_error(what: str, ranks: list[int], objs: list[Any]) -> BufferStruc
 
 
 def _which_differs(values: list[str]) -> str:
-    """Name the attribute (dtype, shape, device) that differs between descriptions."""
-    parts = [v.replace("[", " [", 1).split(" ") for v in values]
-    labels = ("dtype", "shape", "device")
-    diff = [lab for i, lab in enumerate(labels) if len({p[i] if i < len(p) else "" for p in parts}) > 1]
+    """Name the attributes (dtype, shape, device, layout) that differ between ``describe`` strings."""
+    parsed = [m.groupdict() if (m := _DESCRIPTION.match(v)) else {} for v in values]
+    diff = [lab for lab in ("dtype", "shape", "device", "layout") if len({p.get(lab) for p in parsed}) > 1]
     return " and ".join(diff) + " differs" if diff else "differs"
 
 
-def reject_meta(entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
-    """Raise InvalidArgumentError if any tensor lives on the meta device (it has no data)."""
+def reject_unsupported(entries: list[tuple[str, torch.Tensor]], fn: str) -> None:
+    """Raise InvalidArgumentError for tensors that cannot be sent: meta (no data), non-strided layouts, quantized.
+
+    Called after structure agreement (which compares device and layout), so every rank raises the same error.
+    """
     meta = [n for n, t in entries if t.is_meta]
     if meta:
         raise InvalidArgumentError(
             f"{fn}(): {len(meta)} tensor(s) are on the meta device and hold no data, e.g. '{meta[0]}'. "
             "Materialise the module (to_empty + load, or build it outside a meta-device context) first")
+    odd = [(n, t.layout) for n, t in entries if t.layout != torch.strided]
+    if odd:
+        raise InvalidArgumentError(
+            f"{fn}(): {len(odd)} tensor(s) have a {str(odd[0][1]).replace('torch.', '')} layout, e.g. '{odd[0][0]}'; "
+            "only dense (strided) tensors are supported: register t.to_dense() or pass ignore=(name,)")
+    quant = [n for n, t in entries if t.is_quantized]
+    if quant:
+        raise InvalidArgumentError(
+            f"{fn}(): {len(quant)} quantized tensor(s), e.g. '{quant[0]}', cannot be sent by torch.distributed; "
+            "pass ignore=(name,) or register the dequantized / int_repr() tensors")
 
 
 def check_backend_devices(g: Group, entries: list[tuple[str, torch.Tensor]], fn: str) -> None:

@@ -27,14 +27,16 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
 
     Covers every ``_NormBase`` that tracks running stats (BatchNorm1d/2d/3d, SyncBatchNorm). The sums
     are computed in float64 with one all-reduce for the whole model, after a structure check; buffers
-    are written only once the all-reduce succeeded. Layers no rank has updated (all counters 0) are left
-    alone. A no-op without a process group. Returns the number of layers merged.
+    are written only once the all-reduce succeeded (a peer that dies, or stalls past ``timeout`` seconds
+    per step, raises :class:`CollectiveError` and changes nothing). Layers no rank has updated (all
+    counters 0) are left alone. A no-op without a process group. Returns the number of layers merged.
 
     Example::
 
         zero_buffers.average_bn_stats(model)     # before saving the checkpoint on rank 0
     """
     _dist.check_module(module, "average_bn_stats")
+    timeout = _dist.check_timeout(timeout, "average_bn_stats")
     g = _dist.resolve_group(group)
     bns = _bn.tracking_bn_modules(module)
     if g is None or not bns:
@@ -42,7 +44,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
     entries = _bn.stat_entries(bns)
     _dist.agree_on_structure(g, ("average_bn_stats",), [(n, _dist.describe(t)) for n, t in entries], timeout,
                              "average_bn_stats")
-    _dist.reject_meta(entries, "average_bn_stats")
+    _dist.reject_unsupported(entries, "average_bn_stats")
     _dist.check_backend_devices(g, entries, "average_bn_stats")
 
     parts = []

@@ -23,7 +23,7 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     collective; a mismatch raises :class:`BufferStructureError` on every rank and nothing is modified.
     Data moves with one broadcast per (device, dtype) bucket, received into scratch space and written
     into the buffers only once every bucket has arrived: a failed or timed-out call (``timeout``
-    seconds per wait, raising :class:`CollectiveError`) leaves every buffer unchanged.
+    seconds, or a timedelta, for each of the two steps; :class:`CollectiveError`) leaves every buffer unchanged.
     A no-op when torch.distributed is not initialised, the group has one rank, or this rank is not in it.
     Returns the number of tensors synchronised (0 for a no-op).
 
@@ -33,6 +33,8 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
         zero_buffers.broadcast_buffers(model) # now every rank holds rank 0's values
     """
     _dist.check_module(module, "broadcast_buffers")
+    ignore = _dist.check_ignore(ignore, "broadcast_buffers")
+    timeout = _dist.check_timeout(timeout, "broadcast_buffers")
     g = _dist.resolve_group(group)
     _dist.check_src(g, src)
     if g is None:
@@ -45,7 +47,7 @@ def broadcast_entries(g: _dist.Group, entries: list[tuple[str, torch.Tensor]], s
                       what: str, *call: object) -> int:
     """Structure-checked, transactional broadcast of named tensors from ``src`` (the core of every sync)."""
     _dist.agree_on_structure(g, (what, src, *call), [(n, _dist.describe(t)) for n, t in entries], timeout, what)
-    _dist.reject_meta(entries, what)
+    _dist.reject_unsupported(entries, what)
     _dist.check_backend_devices(g, entries, what)
     _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, what)
     return len(entries)

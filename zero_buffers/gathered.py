@@ -75,7 +75,8 @@ class GatheredParametersAndBuffers:
         modules, loose = _split(target)
         params = loose + [p for m in modules for p in m.parameters()]
         self.modifier_rank = modifier_rank
-        self.check_buffers, self.atol, self.group, self.timeout = check_buffers, atol, group, timeout
+        self.check_buffers, self.atol, self.group = check_buffers, atol, group
+        self.timeout = _dist.check_timeout(timeout, "GatheredParametersAndBuffers")
         plain = [p for p in loose if not hasattr(p, "ds_id")]
         self._box = _dist.as_module(modules, plain) if modules or plain else None
         self._ds = _gathered_parameters(params, modifier_rank, fwd_module)

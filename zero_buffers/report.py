@@ -65,7 +65,7 @@ class BufferReport:
 
 
 def _max_abs_diff(values: list[torch.Tensor], ref: int) -> list[float]:
-    """Per rank, max |x_r - x_ref| in float64; NaN equals NaN, NaN vs a number counts as inf."""
+    """Per rank, max |x_r - x_ref| in float64; equal values (NaN and NaN, inf and inf) count 0, NaN vs a number inf."""
     base = values[ref].to(torch.float64) if not values[ref].is_complex() else values[ref].to(torch.complex128)
     out = []
     for v in values:
@@ -74,8 +74,8 @@ def _max_abs_diff(values: list[torch.Tensor], ref: int) -> list[float]:
             out.append(0.0)
             continue
         diff = (x - base).abs()
-        both_nan = torch.isnan(x) & torch.isnan(base)
-        diff = torch.where(both_nan, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
+        same = (x == base) | (torch.isnan(x) & torch.isnan(base))  # inf - inf is NaN, but inf equals inf
+        diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
         out.append(float(diff.max()))
     return out
 
@@ -89,6 +89,8 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
     Agreement is decided by one all_gather of a 64-bit digest per buffer (after the structure check);
     only buffers whose digests differ are gathered to compute ``max_abs_diff`` and ``differing_ranks``.
     Without a process group (or with world 1) every row is in sync and ``checked`` is False.
+    ``timeout`` (seconds or a timedelta) bounds each collective step; past it, or when a peer dies,
+    :class:`CollectiveError` is raised.
 
     Example::
 
@@ -96,9 +98,17 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
         if not report.in_sync:
             print(report.format(only_out_of_sync=True))
     """
-    _dist.check_module(module, "buffer_report")
+    return _report("buffer_report", module, group, atol, ignore, include_parameters, timeout)
+
+
+def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterable[str], include_parameters: bool,
+            timeout: _dist.Timeout) -> BufferReport:
+    """buffer_report's body; ``fn`` names the public function in errors."""
+    _dist.check_module(module, fn)
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
-        raise InvalidArgumentError(f"buffer_report(): atol must be a number >= 0, got {atol!r}")
+        raise InvalidArgumentError(f"{fn}(): atol must be a number >= 0, got {atol!r}")
+    ignore = _dist.check_ignore(ignore, fn)
+    timeout = _dist.check_timeout(timeout, fn)
     g = _dist.resolve_group(group)
     entries = _dist.named_buffers(module, ignore=ignore, include_parameters=include_parameters)
 
@@ -111,16 +121,16 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
         return BufferReport(tuple(row(n, t) for n, t in entries), (me,), me, float(atol), checked=False)
 
     _dist.agree_on_structure(g, ("buffer_report", float(atol), include_parameters),
-                             [(n, _dist.describe(t)) for n, t in entries], timeout, "buffer_report")
-    _dist.reject_meta(entries, "buffer_report")
-    _dist.check_backend_devices(g, entries, "buffer_report")
+                             [(n, _dist.describe(t)) for n, t in entries], timeout, fn)
+    _dist.reject_unsupported(entries, fn)
+    _dist.check_backend_devices(g, entries, fn)
     mine = _dist.content_digests([t for _, t in entries]).to(g.device)
-    digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, "buffer_report")])
+    digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, fn)])
     differ = [i for i in range(len(entries)) if bool((digests[:, i] != digests[0, i]).any())]
 
     rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
     if differ:
-        gathered = _dist.all_gather_coalesced(g, [entries[i][1].detach() for i in differ], timeout, "buffer_report")
+        gathered = _dist.all_gather_coalesced(g, [entries[i][1].detach() for i in differ], timeout, fn)
         for i, values in zip(differ, gathered):
             diffs = _max_abs_diff([v.cpu() for v in values], 0)
             if atol == 0:
@@ -142,8 +152,7 @@ def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float 
 
         zero_buffers.assert_buffers_in_sync(model)   # before torch.save(model.state_dict()) on rank 0
     """
-    report = buffer_report(module, group=group, atol=atol, ignore=ignore, include_parameters=include_parameters,
-                           timeout=timeout)
+    report = _report("assert_buffers_in_sync", module, group, atol, ignore, include_parameters, timeout)
     if not report.in_sync:
         raise BuffersOutOfSyncError(
             f"{type(module).__name__}: buffers out of sync across ranks.\n{report.format(only_out_of_sync=True, limit=50)}"

@@ -1,0 +1,191 @@
+"""Rank faults: a peer that dies (os._exit) or stalls mid-call makes the survivors raise CollectiveError
+within the timeout, and no buffer is left half-written.
+
+Faults are injected on one rank by wrapping the real torch.distributed collectives *on that rank only*:
+just before its ``at``-th collective call of the sync it exits or blocks for good (``at=2`` is right after
+the structure check; the digest all_gather is collective 1). The harness's ``allow_dead`` returns the
+survivors' results, kills the faulty rank if it still runs and rebuilds the pool (its process group is
+broken). gloo notices a dead peer at once (connection reset); only the timeout ends a stall.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_buffers as zb
+from tests.helpers import bitwise_equal, scramble
+
+WRAPPED = ("all_gather", "broadcast", "all_reduce")
+# gloo's words for a vanished peer: "Connection reset by peer", "Connection closed by peer", or a write's
+# "Broken pipe"; its messages also say "remote worker".
+PEER_GONE = r"by peer|Broken pipe|remote worker"
+SLACK = 8.0  # seconds of scheduling slack on 2 shared cores; the timeouts themselves are 2 s
+
+
+class Mixed(nn.Module):
+    """Buffers in four dtype buckets (float32, float64, int64, bfloat16) plus BatchNorms with counters."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.bn64 = nn.BatchNorm1d(3).double()
+        self.register_buffer("codebook", torch.zeros(8, 4))
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+        self.register_buffer("rope", torch.zeros(6, dtype=torch.bfloat16), persistent=False)
+
+
+def _model(rank: int) -> nn.Module:
+    model = scramble(Mixed(), rank)  # every buffer differs across ranks (the report has values to gather)
+    with torch.no_grad():
+        model.bn.num_batches_tracked.fill_(rank + 1)
+        model.bn64.num_batches_tracked.fill_(2)
+    return model
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+
+
+def _stall_forever() -> None:
+    threading.Event().wait()  # never set: this rank stalls until the harness kills it
+
+
+def _inject(how: str, at: int, handshake: bool = False) -> None:
+    """On this rank, exit or stall just before the ``at``-th collective call (after the peers' signal if asked)."""
+    count = [0]
+    real = {name: getattr(dist, name) for name in WRAPPED}
+
+    def wrap(name):
+        def faulty(*args, **kwargs):
+            count[0] += 1
+            if count[0] == at:
+                if handshake:  # wait until the survivor has received everything this rank sent so far
+                    dist.distributed_c10d._get_default_store().wait(["zb_previous_collective_arrived"])
+                if how == "die":
+                    os._exit(3)
+                _stall_forever()
+            return real[name](*args, **kwargs)
+        return faulty
+
+    for name in WRAPPED:
+        setattr(dist, name, wrap(name))
+
+
+def _confirm_first_bucket(arrived: list) -> None:
+    """On a survivor: complete the first broadcast (bucket 1) at once and tell the faulty rank it arrived."""
+    count = [0]
+    real = dist.broadcast
+
+    def confirming(*args, **kwargs):
+        count[0] += 1
+        work = real(*args, **kwargs)
+        if count[0] == 1:
+            work.wait()
+            arrived.append(True)
+            dist.distributed_c10d._get_default_store().set("zb_previous_collective_arrived", "1")
+        return work
+
+    dist.broadcast = confirming
+
+
+CALLS = {
+    "broadcast_buffers": lambda m, src, t: zb.broadcast_buffers(m, src=src, timeout=t),
+    "buffer_report": lambda m, src, t: zb.buffer_report(m, timeout=t),
+    "assert_buffers_in_sync": lambda m, src, t: zb.assert_buffers_in_sync(m, timeout=t),
+    "average_bn_stats": lambda m, src, t: zb.average_bn_stats(m, timeout=t),
+}
+
+
+def _rank_fault(rank, world, fn, faulty, how, at, timeout, src=0, handshake=False):
+    model = _model(rank)
+    before = _snapshot(model)
+    arrived: list = []
+    if rank == faulty:
+        _inject(how, at, handshake)
+    elif handshake:
+        _confirm_first_bucket(arrived)
+    started = time.monotonic()
+    try:
+        CALLS[fn](model, src, timeout)
+        err = None
+    except zb.ZeroBuffersError as e:
+        err = (type(e).__name__, str(e))
+    return err, time.monotonic() - started, _same(before, _snapshot(model)), _snapshot(model), before, arrived
+
+
+def _check_survivors(out, fn, faulty):
+    assert out[faulty] is None  # the faulty rank never answered
+    for rank, res in enumerate(out):
+        if rank == faulty:
+            continue
+        err, elapsed, unchanged, _, _, _ = res
+        assert err is not None and err[0] == "CollectiveError", (rank, err)
+        assert f"{fn} failed on rank {rank}" in err[1] and "No buffer was modified" in err[1], err[1]
+        assert unchanged, rank  # nothing half-written
+    return [res for r, res in enumerate(out) if r != faulty]
+
+
+@pytest.mark.parametrize("fn,at", [("broadcast_buffers", 2), ("buffer_report", 3), ("assert_buffers_in_sync", 2),
+                                   ("average_bn_stats", 2)])
+def test_dead_peer_mid_call_fails_fast_and_changes_nothing(ranks2, fn, at):
+    # at=2: right after the structure check; buffer_report dies later, while it gathers the differing values.
+    # timeout=None: detecting a dead peer does not depend on our timeout (gloo sees the connection drop).
+    out = ranks2.run(_rank_fault, fn, 1, "die", at, None, 1, allow_dead=[1], timeout=60)
+    for err, elapsed, *_ in _check_survivors(out, fn, 1):
+        assert re.search(PEER_GONE, err[1]) and elapsed < SLACK, (err, elapsed)
+
+
+@pytest.mark.parametrize("fn", list(CALLS))
+def test_stalled_peer_after_the_structure_check_times_out_and_changes_nothing(ranks2, fn):
+    out = ranks2.run(_rank_fault, fn, 1, "stall", 2, 2.0, 1, allow_dead=[1], timeout=60)
+    for err, elapsed, *_ in _check_survivors(out, fn, 1):
+        assert "did not complete within timeout=2 s" in err[1], err[1]
+        assert 2.0 <= elapsed < 2.0 + SLACK, elapsed  # it waited for the timeout, and not much longer
+
+
+def test_peer_that_never_calls_times_out_in_the_structure_check(ranks2):
+    # the structure check is shared code: one function stands for all four here
+    out = ranks2.run(_rank_fault, "broadcast_buffers", 1, "stall", 1, 2.0, 0, allow_dead=[1], timeout=60)
+    for err, elapsed, *_ in _check_survivors(out, "broadcast_buffers", 1):
+        assert "did not complete within timeout=2 s" in err[1] and 2.0 <= elapsed < 2.0 + SLACK, (err, elapsed)
+
+
+@pytest.mark.parametrize("how", ["die", "stall"])
+def test_no_partial_write_when_the_source_fails_between_buckets(ranks2, how):
+    # src=1 sends four dtype buckets; it fails after rank 0 has *received* bucket 1 (float32: codebook and
+    # bn stats). A per-bucket write would leave those new and the rest old; rank 0 must keep all old values.
+    out = ranks2.run(_rank_fault, "broadcast_buffers", 1, how, 3, 2.0, 1, True, allow_dead=[1], timeout=60)
+    (err, elapsed, unchanged, after, before, arrived), = _check_survivors(out, "broadcast_buffers", 1)
+    assert arrived == [True]  # bucket 1 really reached rank 0 before the fault
+    assert elapsed < 2.0 + SLACK
+    assert re.search(PEER_GONE, err[1]) if how == "die" else ("timeout=2 s" in err[1]), err
+
+
+
+def test_four_ranks_no_survivor_is_half_written(ranks4):
+    # Rank 2 dies inside the data transfer (before bucket 2 of 4) of a broadcast from rank 0. Depending on
+    # gloo's broadcast tree a survivor may or may not need rank 2: each either raises CollectiveError with
+    # every buffer unchanged, or completes with every buffer equal to rank 0's. Never a mix.
+    out = ranks4.run(_rank_fault, "broadcast_buffers", 2, "die", 3, 10.0, 0, allow_dead=[2], timeout=90)
+    assert out[2] is None
+    src_before = out[0][4]
+    for rank in (1, 3):
+        err, elapsed, unchanged, after, before, _ = out[rank]
+        assert not _same(before, src_before)  # the rank started apart from the source
+        if err is None:
+            assert _same(after, src_before), rank
+        else:
+            assert err[0] == "CollectiveError" and unchanged, (rank, err)
+        assert elapsed < 10.0 + SLACK
+    assert out[0][2]  # the source never changes its own buffers
