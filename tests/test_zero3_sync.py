@@ -230,7 +230,9 @@ def _install(rank, world, use_install):
     deepspeed = init_deepspeed()
     pp = deepspeed.runtime.zero.partition_parameters
     base = pp.InsertPostInitMethodToModuleSubClasses
-    originals = (base.__enter__, base.__exit__, pp.Init._post_init_method)
+    from transformers.modeling_utils import PreTrainedModel
+    originals = (base.__enter__, base.__exit__, pp.Init._post_init_method,
+                 PreTrainedModel.__dict__["_initialize_missing_keys"])
     torch.manual_seed(rank)
     if use_install:
         handle = zb.install()
@@ -246,7 +248,8 @@ def _install(rank, world, use_install):
         with zb.install():  # as a context manager
             with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
                 inner, outer = VQ(), VQ()
-    restored = (base.__enter__, base.__exit__, pp.Init._post_init_method) == originals and not zb.installed()
+    restored = (base.__enter__, base.__exit__, pp.Init._post_init_method,
+                PreTrainedModel.__dict__["_initialize_missing_keys"]) == originals and not zb.installed()
     with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
         after = VQ()  # uninstalled: the bug is back
     return buffers(inner), buffers(outer), buffers(after), restored

@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 
 from . import _dist
-from .broadcast import broadcast_entries
+from .broadcast import broadcast_buffers, broadcast_entries
 from .errors import DeepSpeedUnavailableError, ZeroBuffersError
 
 _recorders: list[list[nn.Module]] = []  # one list per recording context; every built module goes to each
@@ -182,7 +182,8 @@ def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
     """Make every ``deepspeed.zero.Init`` in this process sync buffers when its outermost context exits.
 
     That covers the contexts transformers' ``from_pretrained`` / ``from_config`` and Accelerate open
-    for you. Opt-in and process-wide; idempotent (a second call changes nothing); :func:`uninstall`
+    for you; under ZeRO-3 the buffers of a model transformers initialises after loading (weights and
+    non-persistent buffers missing from the checkpoint) are broadcast again once that is done. Opt-in and process-wide; idempotent (a second call changes nothing); :func:`uninstall`
     restores DeepSpeed exactly. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError`
     if DeepSpeed cannot be imported; without a process group the sync is a no-op.
 
@@ -217,7 +218,36 @@ def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
 
     _originals.update(enter=enter, exit=exit_)
     base.__enter__, base.__exit__ = __enter__, __exit__
+    _patch_transformers(src, timeout)
     return _Installed(owner=True)
+
+
+def _patch_transformers(src: int, timeout: _dist.Timeout) -> None:
+    """Also sync after transformers' own post-load init (compat shim around a private transformers method).
+
+    transformers 5 re-initialises weights and non-persistent buffers that the checkpoint lacks in
+    ``PreTrainedModel._initialize_missing_keys``, after the zero.Init context has exited; under ZeRO-3
+    only parameters are broadcast there (``GatheredParameters(modifier_rank=0)``). Where the method
+    does not exist (other transformers versions) nothing is patched and the zero.Init exit sync remains.
+    """
+    try:
+        from transformers import modeling_utils
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return
+    cls = modeling_utils.PreTrainedModel
+    original = cls.__dict__.get("_initialize_missing_keys")
+    if original is None:
+        return
+
+    def _initialize_missing_keys(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if is_deepspeed_zero3_enabled():
+            broadcast_buffers(self, src=src, timeout=timeout)
+        return result
+
+    _originals["transformers"] = (cls, original)
+    cls._initialize_missing_keys = _initialize_missing_keys
 
 
 def uninstall() -> None:
@@ -226,6 +256,9 @@ def uninstall() -> None:
         return
     base = _partition_parameters().InsertPostInitMethodToModuleSubClasses
     base.__enter__, base.__exit__ = _originals.pop("enter"), _originals.pop("exit")
+    if "transformers" in _originals:
+        cls, original = _originals.pop("transformers")
+        cls._initialize_missing_keys = original
 
 
 def installed() -> bool:
