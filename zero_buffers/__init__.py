@@ -3,7 +3,9 @@
 __version__ = "0.1.0"
 
 from .bn_average import average_bn_stats
+from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
+from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
 from .errors import (
     BufferStructureError,
     BuffersOutOfSyncError,
@@ -12,6 +14,7 @@ from .errors import (
     DistributedSetupError,
     InvalidArgumentError,
     InvalidSourceRankError,
+    RecomputeError,
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
@@ -27,6 +30,8 @@ __all__ = [
     "DistributedSetupError",
     "InvalidArgumentError",
     "InvalidSourceRankError",
+    "RecomputeError",
+    "SaveHook",
     "UnsupportedDeviceError",
     "ZeroBuffersError",
     "__version__",
@@ -34,4 +39,7 @@ __all__ = [
     "average_bn_stats",
     "broadcast_buffers",
     "buffer_report",
+    "recompute_bn_stats",
+    "sync_buffers",
+    "sync_buffers_on_save",
 ]
