@@ -1,4 +1,4 @@
-"""Incident 2 scaled down: a DDP-trained CNN's checkpoint carries rank 0's BatchNorm statistics; each fix closes the accuracy gap.
+"""Incident 2 scaled down: a DDP checkpoint carries rank 0's BatchNorm statistics; each fix closes the accuracy gap.
 
 Run: zero-buffers repro ddp_bn_checkpoint --nproc 2   (or: torchrun --nproc-per-node 2 repro/ddp_bn_checkpoint.py)
 
@@ -88,7 +88,8 @@ def correct(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.de
     was = model.training
     model.eval()
     with torch.no_grad():
-        hits = sum(int((model(xb.to(device)).argmax(1).cpu() == yb).sum()) for xb, yb in zip(x.split(250), y.split(250)))
+        hits = sum(int((model(xb.to(device)).argmax(1).cpu() == yb).sum())
+                   for xb, yb in zip(x.split(250), y.split(250)))
     model.train(was)
     return hits
 

@@ -24,7 +24,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
                        num_batches: int | None = None, group: Any = None, progress: bool = True,
                        timeout: _dist.Timeout = None, device: torch.device | str | None = None,
                        forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
-    """Recompute every BatchNorm's running statistics from forward passes over all ranks' data; same result on every rank.
+    """Recompute every BatchNorm's running statistics from forward passes over all ranks' data, identically on each.
 
     Each rank runs ``model`` in train mode under ``torch.no_grad()`` over its own batches of ``data``
     (at most ``num_batches`` of them; ranks may have different numbers, zero included). Forward
@@ -308,11 +308,9 @@ class _Runner:
                 bar.update(1)
 
     def lockstep(self, batches: Iterator[Any], bar: Any) -> None:
-        """Ranks step together (ZeRO-3 gathers parameters in every forward); spent ranks replay without counting.
-
-        Before each step one all-reduce of [has a batch, failed reading, never had a batch] decides for all
-        ranks whether to stop; a rank that failed re-raises and reports in the final all-reduce.
-        """
+        """Ranks step together (ZeRO-3 gathers parameters in every forward); spent ranks replay without counting."""
+        # Before each step one all-reduce of [has a batch, failed reading, never had a batch] tells every rank
+        # whether to go on; a rank whose data failed re-raises and reports in the final all-reduce.
         g = self.g
         last = None
         while True:

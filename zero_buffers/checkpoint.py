@@ -1,4 +1,4 @@
-"""Checkpoints that carry synchronised buffers: sync_buffers (before torch.save) and sync_buffers_on_save (Accelerate, DeepSpeed)."""
+"""Checkpoints that carry synchronised buffers: sync_buffers (plain torch), sync_buffers_on_save (Accelerate, DeepSpeed)."""
 from __future__ import annotations
 
 import functools
