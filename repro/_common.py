@@ -36,14 +36,16 @@ class Table:
 
     title: str
     columns: list[str]
-    rows: list[tuple[str, str, list[str], bool]] = field(default_factory=list)
+    rows: list[tuple[str, str, list[str], bool | None]] = field(default_factory=list)
 
-    def add(self, kind: str, case: str, values: list[object], ok: bool) -> None:
-        self.rows.append((kind, case, [v if isinstance(v, str) else f"{v:.4g}" for v in values], bool(ok)))
+    def add(self, kind: str, case: str, values: list[object], ok: bool | None) -> None:
+        """``ok=None`` marks a row that does not apply here (printed as n/a, never a failure)."""
+        self.rows.append((kind, case, [v if isinstance(v, str) else f"{v:.4g}" for v in values],
+                          None if ok is None else bool(ok)))
 
     def render(self) -> str:
         head = ["", "case", *self.columns, "holds"]
-        body = [[k, c, *v, "yes" if ok else "NO"] for k, c, v, ok in self.rows]
+        body = [[k, c, *v, "n/a" if ok is None else "yes" if ok else "NO"] for k, c, v, ok in self.rows]
         widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [self.title, fmt.format(*head), fmt.format(*["-" * w for w in widths])]
@@ -51,7 +53,7 @@ class Table:
 
     def finish(self) -> None:
         """Print on rank 0, tear down, exit non-zero (on every rank) if a row does not hold."""
-        ok = all(r[3] for r in self.rows)
+        ok = all(r[3] is not False for r in self.rows)
         if dist.get_rank() == 0:
             print(self.render(), flush=True)
             print(f"RESULT: {'all fixes hold' if ok else 'A FIX DOES NOT HOLD'}", flush=True)

@@ -3,7 +3,9 @@
 __version__ = "0.1.0"
 
 from .bn_average import average_bn_stats
+from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
+from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
 from .errors import (
     BufferStructureError,
     BuffersOutOfSyncError,
@@ -12,6 +14,7 @@ from .errors import (
     DistributedSetupError,
     InvalidArgumentError,
     InvalidSourceRankError,
+    RecomputeError,
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
@@ -33,6 +36,8 @@ __all__ = [
     "Init",
     "InvalidArgumentError",
     "InvalidSourceRankError",
+    "RecomputeError",
+    "SaveHook",
     "UnsupportedDeviceError",
     "ZeroBuffersError",
     "__version__",
@@ -44,5 +49,8 @@ __all__ = [
     "install",
     "installed",
     "no_zero_init",
+    "recompute_bn_stats",
+    "sync_buffers",
+    "sync_buffers_on_save",
     "uninstall",
 ]

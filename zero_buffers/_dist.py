@@ -141,6 +141,33 @@ def check_timeout(timeout: Any, fn: str) -> datetime.timedelta | None:
     return None if seconds >= _MAX_WAIT_S else datetime.timedelta(seconds=seconds)
 
 
+_PASS_THROUGH = {"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine"}
+_SHARDED = {"FullyShardedDataParallel", "FSDPModule"}
+
+
+def unwrap(module: nn.Module, fn: str) -> nn.Module:
+    """The module that holds the layers: strips DDP, DataParallel, DeepSpeed engines and torch.compile wrappers."""
+    while True:
+        names = {c.__name__ for c in type(module).__mro__}
+        if names & _SHARDED:
+            raise InvalidArgumentError(
+                f"{fn}(): FSDP-sharded modules are not supported (their forward and state_dict gather parameters "
+                "across ranks); use DDP, DeepSpeed or a plain module")
+        if names & _PASS_THROUGH and isinstance(getattr(module, "module", None), nn.Module):
+            module = module.module
+        elif "OptimizedModule" in names and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def is_member(group: Any) -> bool:
+    """False only when torch.distributed is initialised and this rank is outside ``group``."""
+    if not (dist.is_available() and dist.is_initialized()) or group is None:
+        return True
+    return group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0
+
+
 def _ignored(name: str, ignore: frozenset[str]) -> bool:
     """True when ``name`` or one of its module prefixes is in ``ignore``."""
     if name in ignore:

@@ -52,3 +52,15 @@ class CollectiveError(ZeroBuffersError):
 
 class DeepSpeedUnavailableError(ZeroBuffersError):
     """A ZeRO-3 feature was asked for but DeepSpeed cannot be imported."""
+
+
+class RecomputeError(ZeroBuffersError):
+    """A rank's data or forward pass failed inside :func:`recompute_bn_stats`; raised identically on every rank.
+
+    ``ranks`` lists the global ranks that failed; on those ranks the original exception is chained
+    (``__cause__``). Every buffer, train/eval mode and momentum was restored to its state before the call.
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)

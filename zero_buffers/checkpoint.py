@@ -1,0 +1,199 @@
+"""Checkpoints that carry synchronised buffers: sync_buffers (plain torch), sync_buffers_on_save (Accelerate, DeepSpeed)."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import _dist
+from .bn_average import average_bn_stats
+from .bn_recompute import recompute_bn_stats
+from .broadcast import broadcast_buffers
+from .errors import InvalidArgumentError
+from .report import assert_buffers_in_sync
+
+Policy = Literal["broadcast", "average", "recompute", "check"]
+POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
+
+# Methods that write a checkpoint or build the state dict one is written from, and that every rank must call.
+_ACCELERATOR_METHODS = ("save_state", "get_state_dict")
+_ENGINE_METHODS = ("save_checkpoint", "save_16bit_model", "_zero3_consolidated_16bit_state_dict")
+
+
+def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = None, num_batches: int | None = None,
+                 group: Any = None, timeout: _dist.Timeout = None, progress: bool = False,
+                 device: torch.device | str | None = None,
+                 forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
+    """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
+
+    - ``"broadcast"``: every buffer takes global rank ``src``'s value (:func:`broadcast_buffers`).
+    - ``"average"``: BatchNorm statistics become the exact merge of all ranks' (:func:`average_bn_stats`),
+      then every buffer is broadcast from ``src`` (what DDP does before each forward) so everything else
+      matches too.
+    - ``"recompute"``: BatchNorm statistics are recomputed over every rank's ``data``
+      (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``), then every
+      buffer is broadcast from ``src``.
+    - ``"check"``: nothing changes; :class:`BuffersOutOfSyncError` is raised on every rank if any buffer
+      differs (use it to refuse to write a checkpoint that would carry one rank's values).
+
+    DDP, DeepSpeed engines and Accelerate-prepared models are unwrapped. Returns the number of buffers
+    now known identical on every rank (checked ones for ``"check"``; 0 without a process group).
+
+    Example::
+
+        zero_buffers.sync_buffers(model, "average")       # on every rank
+        if dist.get_rank() == 0:
+            torch.save(model.module.state_dict(), "ckpt.pt")
+    """
+    _check_policy(policy, data, "sync_buffers")
+    _dist.check_module(model, "sync_buffers")
+    inner = _dist.unwrap(model, "sync_buffers")
+    if policy == "check":
+        report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
+        return len(report.rows) if report.checked else 0
+    if policy == "average":
+        average_bn_stats(inner, group=group, timeout=timeout)
+    elif policy == "recompute":
+        recompute_bn_stats(inner, data, num_batches=num_batches, group=group, progress=progress, timeout=timeout,
+                           device=device, forward=forward)
+    return broadcast_buffers(inner, src, group=group, timeout=timeout)
+
+
+def _check_policy(policy: Any, data: Any, fn: str) -> None:
+    """Raise InvalidArgumentError for an unknown policy or ``"recompute"`` without data (before any collective)."""
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"{fn}(): policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
+    if policy == "recompute" and data is None:
+        raise InvalidArgumentError(f"{fn}(): policy 'recompute' needs data= (each rank's batches)")
+    if policy != "recompute" and data is not None:
+        raise InvalidArgumentError(f"{fn}(): data= is only used by policy 'recompute', not {policy!r}")
+
+
+class SaveHook:
+    """Handle returned by :func:`sync_buffers_on_save`: ``remove()`` puts the original methods back.
+
+    Also a context manager: ``with sync_buffers_on_save(accelerator, "average"): accelerator.save_state(d)``.
+    """
+
+    def __init__(self, target: Any, methods: Iterable[str], sync: Callable[[Any, str, tuple, dict], None]):
+        self.target = target
+        self._sync = sync
+        self._active = False
+        self._saved: dict[str, Any] = {}
+        for name in methods:
+            original = getattr(target, name)
+            self._saved[name] = target.__dict__.get(name, _MISSING)
+            object.__setattr__(target, name, self._wrap(name, original))
+        object.__setattr__(target, "_zero_buffers_save_hook", self)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``original`` preceded by the sync, once per outermost call (save_state calls get_state_dict)."""
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._active:
+                return original(*args, **kwargs)
+            self._active = True
+            try:
+                self._sync(self.target, name, args, kwargs)
+                return original(*args, **kwargs)
+            finally:
+                self._active = False
+        return wrapper
+
+    @property
+    def installed(self) -> bool:
+        return getattr(self.target, "_zero_buffers_save_hook", None) is self
+
+    def remove(self) -> None:
+        """Restore the wrapped methods (idempotent)."""
+        if not self.installed:
+            return
+        for name, old in self._saved.items():
+            if old is _MISSING:
+                object.__delattr__(self.target, name)
+            else:
+                object.__setattr__(self.target, name, old)
+        object.__delattr__(self.target, "_zero_buffers_save_hook")
+
+    def __enter__(self) -> SaveHook:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+_MISSING = object()
+
+
+def _is_engine(obj: Any) -> bool:
+    """True for a DeepSpeed engine (checked by class name, so DeepSpeed need not be imported)."""
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
+
+
+def _is_accelerator(obj: Any) -> bool:
+    """True for an ``accelerate.Accelerator``."""
+    return any(c.__name__ == "Accelerator" and c.__module__.startswith("accelerate") for c in type(obj).__mro__)
+
+
+def _is_zero3(engine: Any) -> bool:
+    """Whether a DeepSpeed engine partitions parameters (ZeRO stage 3)."""
+    try:
+        return bool(engine.zero_optimization_partition_weights())
+    except Exception:  # noqa: BLE001 - not an engine, or an engine without the method
+        return False
+
+
+def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any = None,
+                         num_batches: int | None = None, group: Any = None, timeout: _dist.Timeout = None,
+                         progress: bool = False, device: torch.device | str | None = None,
+                         forward: Callable[[nn.Module, Any], Any] | None = None) -> SaveHook:
+    """Make every checkpoint that ``target`` writes carry synchronised buffers: :func:`sync_buffers` runs first.
+
+    ``target`` is an ``accelerate.Accelerator`` or a DeepSpeed engine. Only methods that every rank must
+    call anyway are wrapped, so the sync (a collective) cannot hang a rank-0-only call:
+
+    - Accelerator: ``save_state`` (DDP, DeepSpeed and single-process paths; every prepared model is
+      synced before anything is written, which Accelerate's save-state "pre" hooks cannot do: they run
+      after the DeepSpeed save) and ``get_state_dict`` for ZeRO-3 engines (hence ``save_model`` under
+      ZeRO-3). On the DDP path ``get_state_dict`` / ``save_model`` are often called on the main process
+      only: call :func:`sync_buffers` before them yourself.
+    - DeepSpeed engine: ``save_checkpoint`` (under ZeRO-3 each rank writes its own buffers; now they are
+      equal, so ``load_checkpoint`` and ``zero_to_fp32``, which reads rank 0's file, agree),
+      ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict`` (rank 0's buffers).
+
+    Returns a :class:`SaveHook`; ``hook.remove()`` undoes it (it is also a context manager).
+
+    Example::
+
+        zero_buffers.sync_buffers_on_save(accelerator, "average")   # once, after prepare()
+        accelerator.save_state("ckpt")                               # BatchNorm stats of all ranks
+    """
+    _check_policy(policy, data, "sync_buffers_on_save")
+    if getattr(target, "_zero_buffers_save_hook", None) is not None:
+        raise InvalidArgumentError(
+            "sync_buffers_on_save(): this object already has a save hook; call .remove() on it first")
+    options = dict(src=src, data=data, num_batches=num_batches, group=group, timeout=timeout, progress=progress,
+                   device=device, forward=forward)
+
+    if _is_accelerator(target):
+        def sync_accelerator(acc: Any, name: str, args: tuple, kwargs: dict) -> None:
+            if name == "save_state":
+                for model in acc._models:
+                    sync_buffers(model, policy, **options)
+            else:  # get_state_dict(model, ...): collective only when the model is a ZeRO-3 engine
+                model = args[0] if args else kwargs.get("model")
+                if _is_engine(model) and _is_zero3(model):
+                    sync_buffers(model, policy, **options)
+        return SaveHook(target, _ACCELERATOR_METHODS, sync_accelerator)
+
+    if _is_engine(target):
+        def sync_engine(engine: Any, name: str, args: tuple, kwargs: dict) -> None:
+            sync_buffers(engine.module, policy, **options)
+        return SaveHook(target, _ENGINE_METHODS, sync_engine)
+
+    raise InvalidArgumentError(
+        f"sync_buffers_on_save() expects an accelerate.Accelerator or a DeepSpeed engine, got {type(target).__name__}; "
+        "for a plain module call zero_buffers.sync_buffers(model, policy) on every rank before torch.save")
