@@ -90,7 +90,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
     if not bns:
         return 0
-    _dist.reject_meta(entries, _FN)
+    _dist.reject_unsupported(entries, _FN)
     if g is not None:
         _dist.check_backend_devices(g, entries, _FN)
     world = g.size if g is not None else 1
