@@ -195,7 +195,7 @@ def test_unsendable_tensors_are_refused_on_every_rank_after_the_structure_check(
     assert out[0][0] == out[1][0] and out[0][0] is not None, out
     assert out[0][0][0] == "InvalidArgumentError" and re.search(UNSENDABLE[kind].format(fn=fn), out[0][0][1]), out
     for _, log, unchanged in out:
-        assert log == [("all_gather", "torch.int64", 1)] and unchanged  # the structure digest, then nothing
+        assert log == [("all_gather", "torch.int64", 2)] and unchanged  # the structure digest, then nothing
 
 
 def test_nccl_with_cpu_buffers_is_refused_naming_the_buffer():

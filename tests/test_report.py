@@ -91,3 +91,26 @@ def test_assert_raises_on_every_rank_and_names_the_buffers(ranks):
     assert "1 of 12 buffers differ" in messages[0] and "bn.running_var" in messages[0]
     assert "broadcast_buffers" in messages[0]
     assert all(ok for _, ok in out)  # and passes once synchronised
+
+
+def _in_sync_report(rank, world):
+    model = scramble(Toy(), 0)  # identical on every rank
+    import torch.distributed as dist
+    calls = []
+    real = dist.all_gather
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    dist.all_gather = counting
+    try:
+        report = zb.buffer_report(model)
+    finally:
+        dist.all_gather = real
+    return report.in_sync, len(calls)
+
+
+def test_agreeing_buffers_cost_one_collective(ranks):
+    # structure digest and a digest of all content digests travel together: the common case is one gather
+    assert ranks.run(_in_sync_report) == [(True, 1)] * ranks.world_size

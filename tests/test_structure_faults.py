@@ -108,7 +108,7 @@ def _structure_fault(rank, world, kind, fn, odd_rank):
     return err, log, _unchanged(before, model)
 
 
-def _check(out, kind, odd_rank):
+def _check(out, kind, odd_rank, fn):
     errors = [e for e, _, _ in out]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors  # the same error everywhere
     typ, message, name, details = errors[0]
@@ -119,16 +119,17 @@ def _check(out, kind, odd_rank):
     assert set(details) == set(range(len(out)))
     for _, log, unchanged in out:
         assert unchanged  # nothing changed on any rank
-        # Within one collective: exactly one all_gather of one int64 (the structure digest) decides; the
-        # error path then only gathers the structures (sizes, then bytes) to name the culprit. No data moves.
-        assert log[:2] == [("all_gather", "torch.int64", 1), (ERROR_PATH,)]
+        # Within one collective: exactly one all_gather of two int64 (the structure digest and a slot the
+        # report fills with its combined content digest) decides; the error path then only gathers the
+        # structures (sizes, then bytes) to name the culprit. No data moves.
+        assert log[:2] == [("all_gather", "torch.int64", 2), (ERROR_PATH,)]
         assert [e[:2] for e in log[2:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], log
 
 
 @pytest.mark.parametrize("fn,kind", [(fn, kind) for fn in FNS for kind in KINDS
                                      if not (fn == "average_bn_stats" and kind in PLAIN)])
 def test_every_structure_fault_raises_the_same_error_within_one_collective(ranks2, fn, kind):
-    _check(ranks2.run(_structure_fault, kind, fn, 1, timeout=30), kind, 1)
+    _check(ranks2.run(_structure_fault, kind, fn, 1, timeout=30), kind, 1, fn)
 
 
 @pytest.mark.parametrize("kind", PLAIN)
@@ -137,13 +138,13 @@ def test_average_ignores_plain_buffer_faults(ranks2, kind):
     # business, so it merges as usual: the digest, then one all-reduce of 2 layers x (count + 2 x 3 channels)
     out = ranks2.run(_structure_fault, kind, "average_bn_stats", 1, timeout=30)
     assert [err for err, _, _ in out] == [None, None]
-    assert all(log == [("all_gather", "torch.int64", 1), ("all_reduce", "torch.float64", 2 * (1 + 2 * 3))]
+    assert all(log == [("all_gather", "torch.int64", 2), ("all_reduce", "torch.float64", 2 * (1 + 2 * 3))]
                for _, log, _ in out), out
 
 
 @pytest.mark.parametrize("fn", list(FNS))
 def test_structure_fault_on_a_middle_rank_of_four(ranks4, fn):
-    _check(ranks4.run(_structure_fault, "shape", fn, 2, timeout=60), "shape", 2)
+    _check(ranks4.run(_structure_fault, "shape", fn, 2, timeout=60), "shape", 2, fn)
 
 
 def _agreeing(rank, world, fn):
@@ -161,7 +162,7 @@ def _agreeing(rank, world, fn):
 @pytest.mark.parametrize("fn", list(FNS))
 def test_agreeing_structure_costs_the_same_single_digest_gather(ranks2, fn):
     for log in ranks2.run(_agreeing, fn):
-        assert log[0] == ("all_gather", "torch.int64", 1)
+        assert log[0] == ("all_gather", "torch.int64", 2)
         assert not any(e[0].startswith("error path") for e in log)
         assert len(log) >= 2  # then the data moves
 
@@ -198,4 +199,4 @@ def test_ranks_calling_with_different_arguments_raise_the_same_error(ranks2, kin
     assert messages[0][1] == messages[1][1] and out[0][0][1] == out[1][0][1], messages
     assert messages[0][1].startswith("ranks called it with different arguments: rank 0: ("), messages[0][1]
     for err, log, unchanged in out:
-        assert unchanged and log[0] == ("all_gather", "torch.int64", 1) and log[1][0].startswith("error path")
+        assert unchanged and log[0] == ("all_gather", "torch.int64", 2) and log[1][0].startswith("error path")

@@ -199,11 +199,10 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
     return out
 
 
-def is_persistent(module: nn.Module, name: str) -> bool:
-    """Whether the buffer (or parameter) at qualified ``name`` is saved in ``state_dict``."""
-    mod_name, _, key = name.rpartition(".")
-    mod = module.get_submodule(mod_name) if mod_name else module
-    return key in mod._parameters or key not in mod._non_persistent_buffers_set
+def non_persistent_names(module: nn.Module) -> set[str]:
+    """Qualified names of every non-persistent buffer (one pass over the modules)."""
+    return {f"{prefix}.{key}" if prefix else key
+            for prefix, mod in module.named_modules() for key in mod._non_persistent_buffers_set}
 
 
 def describe(t: torch.Tensor) -> str:
@@ -246,16 +245,42 @@ def all_gather_tensor(g: Group, t: torch.Tensor, timeout: Timeout, what: str) ->
     return out
 
 
-def agree_on_structure(g: Group, call: tuple, entries: list[tuple[str, str]], timeout: Timeout, what: str) -> None:
+_STRUCTURE_DIGESTS: dict[Any, int] = {}  # structure key -> digest; describing every tensor is the slow part
+
+
+def _structure_digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
+    """64-bit digest of ``call`` and the (name, dtype, shape, device, layout) of every entry, cached per structure."""
+    key = (call, tuple((n, x) if isinstance(x, str) else (n, x.dtype, x.shape, x.device.type, x.layout)
+                       for n, x in entries))
+    digest = _STRUCTURE_DIGESTS.get(key)
+    if digest is None:
+        if len(_STRUCTURE_DIGESTS) > 256:
+            _STRUCTURE_DIGESTS.clear()
+        digest = _STRUCTURE_DIGESTS[key] = _digest(repr((call, _described(entries))).encode())
+    return digest
+
+
+def _described(entries: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """(name, description) pairs; an entry may carry a ready-made description string instead of a tensor."""
+    return [(n, x if isinstance(x, str) else describe(x)) for n, x in entries]
+
+
+def agree_on_structure(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], timeout: Timeout, what: str,
+                       extra: int | None = None) -> list[int] | None:
     """Raise the same BufferStructureError on every rank unless all ranks pass equal ``call`` and ``entries``.
 
-    One all_gather of a 64-bit digest; only on mismatch a second gather of the full structure builds the message.
+    ``entries`` are (name, tensor) pairs (or (name, description)). One all_gather of two int64: the
+    structure digest and ``extra``, a 64-bit value every rank contributes (returned in group order;
+    buffer_report sends its content digest there). Every caller sends the same shape, so ranks that
+    call different functions still meet in this collective and get a clean error. Only on mismatch a
+    second gather of the full structure builds the message.
     """
-    mine = _digest(repr((call, entries)).encode())
-    digests = all_gather_tensor(g, torch.tensor([mine], dtype=torch.int64, device=g.device), timeout, what)
-    if all(int(d.item()) == mine for d in digests):
-        return
-    raise _mismatch_error(what, list(g.ranks), gather_objects(g, (call, entries), timeout, what))
+    mine = _structure_digest(call, entries)
+    payload = torch.tensor([mine, 0 if extra is None else extra], dtype=torch.int64, device=g.device)
+    gathered = [d.tolist() for d in all_gather_tensor(g, payload, timeout, what)]
+    if all(d[0] == mine for d in gathered):
+        return None if extra is None else [d[1] for d in gathered]
+    raise _mismatch_error(what, list(g.ranks), gather_objects(g, (call, _described(entries)), timeout, what))
 
 
 def gather_objects(g: Group, obj: Any, timeout: Timeout, what: str) -> list[Any]:
@@ -371,8 +396,28 @@ def buckets(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.d
 
 
 def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate detached tensors into one flat tensor (a copy)."""
-    return torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0)
+    """Concatenate same-dtype tensors into one flat tensor (a copy); torch's C++ helper when it exists."""
+    if not ts:
+        return torch.empty(0)
+    with torch.no_grad():
+        fast = getattr(torch._utils, "_flatten_dense_tensors", None)  # private torch API: compat with fallback
+        if fast is not None and not any(t.is_complex() for t in ts):
+            return fast(list(ts))
+        return torch.cat([t.reshape(-1) for t in ts])
+
+
+def unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` into ``ts`` (inverse of flatten), in as few kernel calls as torch allows."""
+    with torch.no_grad():
+        unflat = getattr(torch._utils, "_unflatten_dense_tensors", None)  # private torch API: compat with fallback
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if unflat is not None and foreach is not None and not flat.is_complex():
+            foreach(list(ts), unflat(flat, list(ts)))
+            return
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
 
 
 def broadcast_coalesced(g: Group, tensors: Sequence[torch.Tensor], src: int, timeout: Timeout, what: str) -> None:
@@ -393,12 +438,8 @@ def broadcast_coalesced(g: Group, tensors: Sequence[torch.Tensor], src: int, tim
     wait_all(works, timeout, what)
     if g.rank == src:
         return
-    with torch.no_grad():
-        for ts, flat in staged:
-            offset = 0
-            for t in ts:
-                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
+    for ts, flat in staged:
+        unflatten_into(flat, ts)
 
 
 def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Timeout,
@@ -445,10 +486,25 @@ def all_reduce_sum(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> to
     return t
 
 
+def combined_digest(tensors: Sequence[torch.Tensor]) -> int:
+    """One 64-bit blake2b digest over the raw bytes of all ``tensors`` (one flatten and one hash per bucket)."""
+    h = hashlib.blake2b(digest_size=8)
+    for _, idx in buckets(tensors).items():
+        h.update(memoryview(flatten([tensors[i] for i in idx]).cpu().view(torch.uint8).numpy()))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
 def content_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 64-bit blake2b digest per tensor over its raw bytes (bitwise equality, NaN payloads included)."""
-    out = []
-    for t in tensors:
-        raw = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8)
-        out.append(_digest(memoryview(raw.numpy())) if raw.numel() else 0)
+    """One 64-bit blake2b digest per tensor over its raw bytes (bitwise equality, NaN payloads included).
+
+    Each (device, dtype) bucket is flattened and copied to the host once; tensors are hashed as slices of it.
+    """
+    out = [0] * len(tensors)
+    for (_, dtype), idx in buckets(tensors).items():
+        raw = memoryview(flatten([tensors[i] for i in idx]).cpu().view(torch.uint8).numpy())
+        size, offset = torch.empty((), dtype=dtype).element_size(), 0
+        for i in idx:
+            n = tensors[i].numel() * size
+            out[i] = _digest(raw[offset:offset + n]) if n else 0
+            offset += n
     return torch.tensor(out, dtype=torch.int64)

@@ -42,7 +42,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
     if g is None or not bns:
         return 0
     entries = _bn.stat_entries(bns)
-    _dist.agree_on_structure(g, ("average_bn_stats",), [(n, _dist.describe(t)) for n, t in entries], timeout,
+    _dist.agree_on_structure(g, ("average_bn_stats",), entries, timeout,
                              "average_bn_stats")
     _dist.reject_unsupported(entries, "average_bn_stats")
     _dist.check_backend_devices(g, entries, "average_bn_stats")

@@ -84,7 +84,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     lockstep = g is not None and any(hasattr(p, "ds_id") for p in inner.parameters())
     entries = _bn.stat_entries(bns)
     if g is not None:
-        _dist.agree_on_structure(g, (_FN, lockstep), [(n, _describe(t)) for n, t in entries], timeout, _FN)
+        _dist.agree_on_structure(g, (_FN, lockstep), [(n, _describe(t) if is_lazy(t) else t) for n, t in entries], timeout, _FN)
     lazy = [n for n, t in entries if is_lazy(t)]
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")

@@ -46,7 +46,7 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
 def broadcast_entries(g: _dist.Group, entries: list[tuple[str, torch.Tensor]], src: int, timeout: _dist.Timeout,
                       what: str, *call: object) -> int:
     """Structure-checked, transactional broadcast of named tensors from ``src`` (the core of every sync)."""
-    _dist.agree_on_structure(g, (what, src, *call), [(n, _dist.describe(t)) for n, t in entries], timeout, what)
+    _dist.agree_on_structure(g, (what, src, *call), entries, timeout, what)
     _dist.reject_unsupported(entries, what)
     _dist.check_backend_devices(g, entries, what)
     _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, what)

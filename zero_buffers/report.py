@@ -112,21 +112,32 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     g = _dist.resolve_group(group)
     entries = _dist.named_buffers(module, ignore=ignore, include_parameters=include_parameters)
 
+    transient = _dist.non_persistent_names(module)
+
     def row(name: str, t: torch.Tensor, in_sync: bool = True, diff: float = 0.0, ranks: tuple[int, ...] = ()):
-        return BufferRow(name, str(t.dtype).replace("torch.", ""), tuple(t.shape),
-                         _dist.is_persistent(module, name), in_sync, diff, ranks)
+        return BufferRow(name, str(t.dtype)[6:], tuple(t.shape), name not in transient, in_sync, diff, ranks)
 
     if g is None:
         me = 0 if not torch.distributed.is_initialized() else torch.distributed.get_rank()
         return BufferReport(tuple(row(n, t) for n, t in entries), (me,), me, float(atol), checked=False)
 
-    _dist.agree_on_structure(g, ("buffer_report", float(atol), include_parameters),
-                             [(n, _dist.describe(t)) for n, t in entries], timeout, fn)
-    _dist.reject_unsupported(entries, fn)
+    try:  # unsendable tensors cannot be hashed either; the error is raised after the structure agreement
+        _dist.reject_unsupported(entries, fn)
+        unsendable = None
+    except InvalidArgumentError as e:
+        unsendable = e
+    tensors = [t for _, t in entries]
+    # one collective decides the common case: the structure digest travels with a digest of all buffer bytes
+    combined = _dist.agree_on_structure(g, ("buffer_report", float(atol), include_parameters), entries, timeout,
+                                        fn, extra=0 if unsendable else _dist.combined_digest(tensors))
+    if unsendable is not None:
+        raise unsendable  # structure agreed (it includes device, layout, dtype): every rank raises this
     _dist.check_backend_devices(g, entries, fn)
-    mine = _dist.content_digests([t for _, t in entries]).to(g.device)
-    digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, fn)])
-    differ = [i for i in range(len(entries)) if bool((digests[:, i] != digests[0, i]).any())]
+    differ: list[int] = []
+    if any(c != combined[0] for c in combined):  # only now per-buffer digests, then values of those that differ
+        mine = _dist.content_digests(tensors).to(g.device)
+        digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, fn)])
+        differ = (digests != digests[0]).any(0).nonzero().flatten().tolist()
 
     rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
     if differ:
