@@ -49,9 +49,10 @@ def test_unknown_repro_is_a_usage_error():
     assert out.returncode == 2 and "unknown repro 'no_such_script'" in out.stderr
 
 
-def test_repro_runs_under_accelerate_launch_with_deepspeed_zero3():
-    out = _cli("repro", "zero3_frozen_hf_accelerate", "--nproc", "2", "--launcher", "accelerate")
+@pytest.mark.parametrize("name,rows", [("zero3_frozen_hf_accelerate", 5), ("zero3_frozen_tokenizer", 5)])
+def test_incident_1_repros_run_under_accelerate_launch_with_deepspeed_zero3(name, rows):
+    out = _cli("repro", name, "--nproc", "2", "--launcher", "accelerate")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "--launcher accelerate" in out.stdout and "RESULT: all fixes hold" in out.stdout
-    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
-    assert len(rows) == 5 and all(r.rstrip().endswith("yes") for r in rows)
+    found = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
+    assert len(found) == rows and all(r.rstrip().endswith("yes") for r in found)

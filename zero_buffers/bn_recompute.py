@@ -84,7 +84,8 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     lockstep = g is not None and any(hasattr(p, "ds_id") for p in inner.parameters())
     entries = _bn.stat_entries(bns)
     if g is not None:
-        _dist.agree_on_structure(g, (_FN, lockstep), [(n, _describe(t) if is_lazy(t) else t) for n, t in entries], timeout, _FN)
+        described = [(n, "uninitialised lazy buffer" if is_lazy(t) else t) for n, t in entries]
+        _dist.agree_on_structure(g, (_FN, lockstep), described, timeout, _FN)
     lazy = [n for n, t in entries if is_lazy(t)]
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
@@ -127,11 +128,6 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         raise
     finally:
         acc.clear()
-
-
-def _describe(t: torch.Tensor) -> str:
-    """``describe`` that tolerates uninitialised lazy buffers."""
-    return "uninitialised lazy buffer" if is_lazy(t) else _dist.describe(t)
 
 
 class _Accumulators:

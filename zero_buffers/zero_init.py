@@ -183,8 +183,9 @@ def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
 
     That covers the contexts transformers' ``from_pretrained`` / ``from_config`` and Accelerate open
     for you; under ZeRO-3 the buffers of a model transformers initialises after loading (weights and
-    non-persistent buffers missing from the checkpoint) are broadcast again once that is done. Opt-in and process-wide; idempotent (a second call changes nothing); :func:`uninstall`
-    restores DeepSpeed exactly. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError`
+    non-persistent buffers missing from the checkpoint) are broadcast again once that is done.
+    Opt-in and process-wide; idempotent (a second call changes nothing); :func:`uninstall` restores
+    DeepSpeed (and transformers) exactly. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError`
     if DeepSpeed cannot be imported; without a process group the sync is a no-op.
 
     Example::
