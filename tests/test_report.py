@@ -7,7 +7,18 @@ import pytest
 import torch
 
 import zero_buffers as zb
-from tests.helpers import Toy, scramble
+from tests.helpers import Toy, log_collectives, restore_collectives, scramble
+
+
+def _gathers_during(fn):
+    """Run ``fn()``; return its result and how many all_gathers it issued."""
+    log: list = []
+    real = log_collectives(log)
+    try:
+        result = fn()
+    finally:
+        restore_collectives(real)
+    return result, sum(1 for entry in log if entry[0] == "all_gather")
 
 
 def _report(rank, world, differ_on, atol=0.0):
@@ -20,20 +31,7 @@ def _report(rank, world, differ_on, atol=0.0):
             model.steps += rank
         if rank == 1:
             model.bf16[0] = float("nan")
-    calls = []
-    import torch.distributed as dist
-    real = dist.all_gather
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    dist.all_gather = counting
-    try:
-        report = zb.buffer_report(model, atol=atol)
-    finally:
-        dist.all_gather = real
-    return report, len(calls)
+    return _gathers_during(lambda: zb.buffer_report(model, atol=atol))
 
 
 def test_report_flags_exactly_the_differing_buffers_identically_on_every_rank(ranks):
@@ -95,20 +93,8 @@ def test_assert_raises_on_every_rank_and_names_the_buffers(ranks):
 
 def _in_sync_report(rank, world):
     model = scramble(Toy(), 0)  # identical on every rank
-    import torch.distributed as dist
-    calls = []
-    real = dist.all_gather
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    dist.all_gather = counting
-    try:
-        report = zb.buffer_report(model)
-    finally:
-        dist.all_gather = real
-    return report.in_sync, len(calls)
+    report, gathers = _gathers_during(lambda: zb.buffer_report(model))
+    return report.in_sync, gathers
 
 
 def test_agreeing_buffers_cost_one_collective(ranks):

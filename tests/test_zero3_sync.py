@@ -296,3 +296,18 @@ def test_install_without_deepspeed_is_a_clear_error(monkeypatch):
     with pytest.raises(zb.DeepSpeedUnavailableError, match="need DeepSpeed"):
         zb.install()
     assert not zb.installed()
+
+
+def _init_with_module(rank, world):
+    init_deepspeed()
+    torch.manual_seed(rank)
+    model = VQ()  # built outside any Init: rank-specific codebook
+    before = buffers(model)
+    zb.Init(module=model, config_dict_or_path=ZERO3_CONFIG)  # converts an existing module at once
+    return before, buffers(model), all(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def test_init_with_module_argument_syncs_that_module_at_once(ranks2):
+    (b0, a0, z0), (b1, a1, z1) = ranks2.run(_init_with_module, timeout=120)
+    assert z0 and z1  # DeepSpeed converted the parameters
+    assert not same_state(b0, b1) and same_state(a0, a1) and same_state(a1, b0)  # rank 0's buffers everywhere
