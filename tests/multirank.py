@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import tempfile
@@ -121,6 +122,7 @@ class RankPool:
                 p.kill()
                 p.join(timeout=2)
         self._procs = []
+        self._remove_dir()
 
     def _kill(self) -> None:
         for p in self._procs:
@@ -129,6 +131,13 @@ class RankPool:
         for p in self._procs:
             p.join(timeout=5)
         self._procs = []
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
+        """Delete this pool's FileStore and stack files (a rebuilt pool gets a fresh folder)."""
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     @property
     def alive(self) -> bool:
