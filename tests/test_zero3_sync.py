@@ -311,3 +311,18 @@ def test_init_with_module_argument_syncs_that_module_at_once(ranks2):
     (b0, a0, z0), (b1, a1, z1) = ranks2.run(_init_with_module, timeout=120)
     assert z0 and z1  # DeepSpeed converted the parameters
     assert not same_state(b0, b1) and same_state(a0, a1) and same_state(a1, b0)  # rank 0's buffers everywhere
+
+
+def test_install_without_a_process_group_patches_and_restores(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from deepspeed.runtime.zero import partition_parameters as pp
+    from transformers.modeling_utils import PreTrainedModel
+    base = pp.InsertPostInitMethodToModuleSubClasses
+    originals = (base.__enter__, base.__exit__, PreTrainedModel.__dict__["_initialize_missing_keys"])
+    with zb.install() as handle:
+        assert handle.owner and zb.installed() and base.__enter__ is not originals[0]
+        assert not zb.install().owner  # idempotent
+        assert zb.zero_init.sync_built_modules([VQ()], failed=False, src=0, group=None, timeout=None,
+                                               what="test") == 0  # no process group: the sync is a no-op
+    assert not zb.installed()
+    assert (base.__enter__, base.__exit__, PreTrainedModel.__dict__["_initialize_missing_keys"]) == originals
