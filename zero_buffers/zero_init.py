@@ -201,11 +201,17 @@ def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
     enter, exit_ = base.__dict__["__enter__"], base.__dict__["__exit__"]
 
     def __enter__(self: Any) -> Any:
-        if self.enabled and pp.zero_init_context == 0 and _own_depth == 0:
-            self._zb_modules = []
-            _recorders.append(self._zb_modules)
-            _acquire_hook()
-        return enter(self)
+        if not (self.enabled and pp.zero_init_context == 0 and _own_depth == 0):
+            return enter(self)
+        self._zb_modules = []
+        _recorders.append(self._zb_modules)
+        _acquire_hook()
+        try:
+            return enter(self)
+        except BaseException:
+            _recorders.remove(self.__dict__.pop("_zb_modules"))  # leave no recorder behind
+            _release_hook()
+            raise
 
     def __exit__(self: Any, exc_type: Any, exc: Any, tb: Any) -> Any:
         result = exit_(self, exc_type, exc, tb)
