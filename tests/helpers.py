@@ -110,3 +110,29 @@ def restore_collectives(real: dict) -> None:
     _dist.gather_objects = real.pop("gather_objects")
     for name, fn in real.items():
         setattr(dist, name, fn)
+
+
+DEEPSPEED_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "broadcast", "all_reduce", "reduce_scatter_tensor")
+
+
+def log_deepspeed_comm(log: list):
+    """Log DeepSpeed's own comm backend calls (ZeRO-3 gathers bypass torch.distributed's module functions).
+
+    Returns an undo callable.
+    """
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    for name in DEEPSPEED_COLLECTIVES:
+        real = getattr(backend, name)
+
+        def logged(*args, _name=name, _real=real, **kwargs):
+            log.append((f"deepspeed.{_name}",))
+            return _real(*args, **kwargs)
+
+        setattr(backend, name, logged)  # instance attribute shadows the bound method
+
+    def undo():
+        for name in DEEPSPEED_COLLECTIVES:
+            backend.__dict__.pop(name, None)
+    return undo

@@ -7,7 +7,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import ZERO3_CONFIG, buffers, init_deepspeed, same_state
+from tests.helpers import (ZERO3_CONFIG, buffers, init_deepspeed, log_collectives, log_deepspeed_comm,
+                           restore_collectives, same_state)
 
 
 class Tokenizer(nn.Module):
@@ -142,7 +143,6 @@ def test_no_zero_init_escapes_transformers_and_accelerate(ranks, tmp_path, mode)
 
 def _frozen(rank, world, src):
     deepspeed = init_deepspeed()
-    import torch.distributed as d
     torch.manual_seed(rank)
     with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
         tok = Tokenizer()
@@ -152,23 +152,17 @@ def _frozen(rank, world, src):
     keys = list(tok.state_dict().keys())
     before = buffers(tok)
     replica = zb.frozen_replica(tok, src=src)
-    calls = []
-    real = (d.all_gather, d.all_gather_into_tensor, d.broadcast)
-
-    def count(fn):
-        def wrapper(*a, **k):
-            calls.append(fn.__name__)
-            return fn(*a, **k)
-        return wrapper
-
-    d.all_gather, d.all_gather_into_tensor, d.broadcast = map(count, real)
+    calls: list = []
+    real = log_collectives(calls)  # torch.distributed's functions ...
+    undo = log_deepspeed_comm(calls)  # ... and DeepSpeed's comm backend, which ZeRO-3's all-gathers go through
     try:
         parent = nn.Sequential(replica)
         parent.train()  # a training loop switching everything to train mode must not move BN stats
         x = torch.ones(2, 3, 4, 4, 4)
         y = replica(x)
     finally:
-        d.all_gather, d.all_gather_into_tensor, d.broadcast = real
+        undo()
+        restore_collectives(real)
     state = replica.state_dict()
     return dict(same_object=replica is tok, keys=keys, new_keys=list(state.keys()), state=state, calls=calls,
                 y=y, grad=y.requires_grad, params=len(list(replica.parameters())), training=replica.training,
