@@ -23,6 +23,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidSourceRankError,
     UnsupportedDeviceError,
+    ZeroBuffersError,
 )
 
 Timeout = float | datetime.timedelta | None
@@ -462,10 +463,16 @@ def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Tim
     return result
 
 
-def failed_ranks(g: Group, failed: bool, timeout: Timeout, what: str) -> list[int]:
-    """Global ranks that report ``failed`` (one all_gather of a flag), so every rank takes the same branch."""
+def require_body_succeeded(g: Group, failed: bool, timeout: Timeout, what: str, skipped: str) -> None:
+    """One all_gather of a flag; if a context's body raised on any rank, every rank raises ZeroBuffersError.
+
+    So every rank takes the same branch: no rank broadcasts while a peer has left. ``skipped`` says
+    what was therefore not done.
+    """
     flags = all_gather_tensor(g, torch.tensor([int(failed)], dtype=torch.int64, device=g.device), timeout, what)
-    return [r for r, f in zip(g.ranks, flags) if int(f.item())]
+    bad = [r for r, f in zip(g.ranks, flags) if int(f.item())]
+    if bad:
+        raise ZeroBuffersError(f"{what}: the body raised on rank(s) {bad}; {skipped} (rank {g.rank})")
 
 
 def as_module(modules: Sequence[nn.Module], params: Sequence[torch.Tensor] = ()) -> nn.Module:

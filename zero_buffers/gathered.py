@@ -115,11 +115,8 @@ class GatheredParametersAndBuffers:
         g = _dist.resolve_group(self.group)
         if g is None:
             return
-        bad = _dist.failed_ranks(g, failed, self.timeout, "GatheredParametersAndBuffers")
-        if bad:
-            raise ZeroBuffersError(
-                f"GatheredParametersAndBuffers: the body raised on rank(s) {bad}; buffers were not broadcast from "
-                f"rank {self._src()} and are unchanged on rank {g.rank}")
+        _dist.require_body_succeeded(g, failed, self.timeout, "GatheredParametersAndBuffers",
+                                     f"buffers were not broadcast from rank {self._src()} and are unchanged")
         broadcast_buffers(self._box, src=self._src(), group=self.group, include_parameters=True,
                           timeout=self.timeout)
 

@@ -69,10 +69,7 @@ def sync_built_modules(modules: list[nn.Module], *, failed: bool, src: int, grou
     _dist.check_src(g, src)
     if g is None:
         return 0
-    bad = _dist.failed_ranks(g, failed, timeout, what)
-    if bad:
-        raise ZeroBuffersError(f"{what}: the body raised on rank(s) {bad}; buffers of the modules built inside "
-                               f"were not broadcast (rank {g.rank})")
+    _dist.require_body_succeeded(g, failed, timeout, what, "buffers of the modules built inside were not broadcast")
     entries, seen = [], set()
     for k, root in enumerate(_roots(modules)):
         for name, buf in _dist.named_buffers(root):
