@@ -49,5 +49,5 @@ def broadcast_entries(g: _dist.Group, entries: list[tuple[str, torch.Tensor]], s
     _dist.agree_on_structure(g, (what, src, *call), entries, timeout, what)
     _dist.reject_unsupported(entries, what)
     _dist.check_backend_devices(g, entries, what)
-    _dist.broadcast_coalesced(g, [t.detach() for _, t in entries], src, timeout, what)
+    _dist.broadcast_coalesced(g, [t for _, t in entries], src, timeout, what)
     return len(entries)
