@@ -119,16 +119,19 @@ def test_works_without_zero_parameters(ranks):
         assert torch.equal(state["table"], out[0]["table"])  # non-persistent: rank 0's
 
 
-def _body_raises(rank, world, failing):
+def _body_raises(rank, world, failing, load_on):
     deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
     with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
         model = VQ()
-    before = buffers(model)
+    zb.broadcast_buffers(model)
+    before_buffers, before_params = buffers(model), full_params(model)
     sd = checkpoint()
     try:
         with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
-            if rank == 0:
+            if rank in load_on:
                 model.load_state_dict(sd)
+                model.bn.running_var = torch.full((4,), 7.0)  # replaced, not copied into: must come back too
             if rank in failing:
                 raise ValueError(f"bad file on rank {rank}")
     except ValueError as e:
@@ -138,21 +141,137 @@ def _body_raises(rank, world, failing):
     else:
         seen = None
     partitioned = all(p.numel() == 0 for p in model.parameters())
-    return seen, partitioned, same_state(before, buffers(model)), rank
+    return (seen, partitioned, same_state(before_buffers, buffers(model)),
+            same_state(before_params, full_params(model)), rank)
 
 
-@pytest.mark.parametrize("where", ["all", "one"])
-def test_exception_in_body_propagates_and_restores_state(ranks, where):
-    failing = list(range(ranks.world_size)) if where == "all" else [ranks.world_size - 1]
-    out = ranks.run(_body_raises, failing, timeout=120)
-    for seen, partitioned, unchanged, rank in out:
+@pytest.mark.parametrize("where", ["all", "one", "modifier"])
+def test_exception_in_body_commits_nothing_on_any_rank(ranks, where):
+    """All or nothing: rank 0 loads, some rank raises -> no rank keeps any loaded weight or buffer."""
+    last = ranks.world_size - 1
+    failing = {"all": list(range(ranks.world_size)), "one": [last], "modifier": [0]}[where]
+    out = ranks.run(_body_raises, failing, [0, last], timeout=120)
+    for seen, partitioned, buffers_unchanged, params_unchanged, rank in out:
         assert partitioned  # DeepSpeed's context was exited on every rank
         if rank in failing:
             assert seen == ("ValueError", f"bad file on rank {rank}")
         else:
             assert seen[0] == "ZeroBuffersError" and f"raised on rank(s) {failing}" in seen[1]
-        if rank != 0:
-            assert unchanged  # nothing was broadcast: no rank got a half-loaded state
+        # DeepSpeed's GatheredParameters alone would broadcast rank 0's loaded weights here
+        assert params_unchanged, f"rank {rank}: half-loaded parameters"
+        assert buffers_unchanged, f"rank {rank}: half-loaded buffers"
+
+
+def _ds_alone_body_raises(rank, world):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    before = full_params(model)
+    try:
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            if rank == 0:
+                model.load_state_dict(checkpoint())
+            if rank == world - 1:
+                raise ValueError("bad file")
+    except ValueError:
+        pass
+    return same_state(before, full_params(model))
+
+
+def test_deepspeed_alone_leaves_a_half_loaded_model_when_a_body_raises(ranks2):
+    """The control for the test above: the bug we fix is real in deepspeed 0.19.8."""
+    assert ranks2.run(_ds_alone_body_raises, timeout=120) == [False, False]
+
+
+def _structure_fails_on_exit(rank, world):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    zb.broadcast_buffers(model)
+    before_buffers, before_params = buffers(model), full_params(model)
+    try:
+        with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+            if rank == 0:
+                model.load_state_dict(checkpoint())
+            if rank == world - 1:
+                model.bn.register_buffer("extra", torch.zeros(2))  # this rank's structure now differs
+    except zb.BufferStructureError as e:
+        seen = str(e)
+    else:
+        seen = None
+    if rank == world - 1:
+        del model.bn._buffers["extra"]
+    return seen, same_state(before_buffers, buffers(model)), same_state(before_params, full_params(model))
+
+
+def test_failed_buffer_sync_on_exit_commits_nothing(ranks):
+    out = ranks.run(_structure_fails_on_exit, timeout=120)
+    for seen, buffers_unchanged, params_unchanged in out:
+        assert seen == out[0][0] and "bn.extra" in seen
+        assert buffers_unchanged and params_unchanged
+
+
+def _targets(rank, world, kind):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        a, b = VQ(), VQ()
+    zb.broadcast_buffers(a)
+    zb.broadcast_buffers(b)
+    sd = checkpoint()
+    target = {"param": a.proj.weight, "params": list(a.parameters()), "modules": [a, b], "fwd_module": a,
+              "disabled": a}[kind]
+    kw = {"fwd_module": a} if kind == "fwd_module" else {"enabled": False} if kind == "disabled" else {}
+    with zb.GatheredParametersAndBuffers(target, modifier_rank=0, **kw):
+        gathered = a.proj.weight.numel() == 16
+        if rank == 0:
+            with torch.no_grad():
+                if kind in ("param", "params"):
+                    a.proj.weight.fill_(3.0)
+                elif kind != "disabled":
+                    a.load_state_dict(sd)
+                    if kind == "modules":
+                        b.load_state_dict(sd)
+    return gathered, full_params(a), full_params(b), buffers(a), buffers(b)
+
+
+@pytest.mark.parametrize("kind", ["param", "params", "modules", "fwd_module", "disabled"])
+def test_accepts_what_deepspeed_accepts_and_modules(ranks, kind):
+    sd = checkpoint()
+    sd_bufs = {k: sd[k] for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "codebook")}
+    out = ranks.run(_targets, kind, timeout=120)
+    for rank, (gathered, pa, pb, ba, bb) in enumerate(out):
+        assert gathered == (kind != "disabled")
+        if kind in ("param", "params"):  # parameters only, as DeepSpeed: rank 0's write reached every rank
+            assert torch.equal(pa["proj.weight"], torch.full((4, 4), 3.0))
+            assert same_state(ba, out[0][3])
+        elif kind == "disabled":  # a no-op: nothing gathered, nothing broadcast
+            assert same_state(pa, out[0][1]) and not same_state(pa, {k: sd[k] for k in pa})
+        else:
+            assert same_state(pa, {k: sd[k] for k in pa}) and same_state({k: ba[k] for k in sd_bufs}, sd_bufs)
+            assert torch.equal(ba["table"], out[0][3]["table"])  # non-persistent: rank 0's
+            if kind == "modules":
+                assert same_state(pb, {k: sd[k] for k in pb}) and same_state({k: bb[k] for k in sd_bufs}, sd_bufs)
+            else:  # b was not named: its parameters are untouched and rank-independent (zero.Init)
+                assert not same_state(pb, {k: sd[k] for k in pb})
+
+
+def test_bad_targets_and_ranks_are_typed_errors():
+    with pytest.raises(zb.InvalidArgumentError, match="expected a module, a parameter"):
+        zb.GatheredParametersAndBuffers(None)
+    with pytest.raises(zb.InvalidArgumentError, match="expected a module, a parameter"):
+        zb.GatheredParametersAndBuffers(3, modifier_rank=0)
+    with pytest.raises(zb.InvalidArgumentError, match="item 1 is a str"):
+        zb.GatheredParametersAndBuffers([VQ(), "x"])
+    with pytest.raises(zb.InvalidSourceRankError, match="modifier_rank must be a non-negative int"):
+        zb.GatheredParametersAndBuffers(VQ(), modifier_rank="0")
+    with pytest.raises(zb.InvalidSourceRankError, match="install\(\): src must be"):
+        zb.install(src="a")
+    assert not zb.installed()
+    with pytest.raises(zb.InvalidSourceRankError, match="zero_buffers.Init\(\): src must be"):
+        zb.Init(src=-1)
 
 
 def _init(rank, world, ours, nested, dtype):
@@ -188,10 +307,11 @@ def test_init_syncs_buffers_of_every_module_built_inside(ranks, ours, nested):
             assert not torch.equal(second["table"], out[0][1]["table"])
 
 
-def test_init_bf16_buffers(ranks2):
-    out = ranks2.run(_init, True, None, torch.bfloat16, timeout=120)
+def test_init_bf16_buffers(ranks):
+    out = ranks.run(_init, True, None, torch.bfloat16, timeout=120)
     assert out[0][2] == torch.bfloat16 and out[0][0]["codebook"].dtype == torch.bfloat16
-    assert same_state(out[0][0], out[1][0]) and same_state(out[0][1], out[1][1])
+    for first, second, _ in out[1:]:
+        assert same_state(out[0][0], first) and same_state(out[0][1], second)
 
 
 def _init_raises(rank, world, failing):
@@ -215,15 +335,18 @@ def _init_raises(rank, world, failing):
 
 
 @pytest.mark.parametrize("where", ["all", "one"])
-def test_init_exception_in_body(ranks2, where):
-    failing = [0, 1] if where == "all" else [1]
-    out = ranks2.run(_init_raises, failing, timeout=120)
+def test_init_exception_in_body(ranks, where):
+    last = ranks.world_size - 1
+    failing = list(range(ranks.world_size)) if where == "all" else [last]
+    out = ranks.run(_init_raises, failing, timeout=120)
     assert all(restored for _, restored, _ in out)
-    assert out[1][0] == "KeyError"
-    assert out[0][0] == ("KeyError" if where == "all" else out[0][0])
-    if where == "one":
-        assert "raised on rank(s) [1]" in out[0][0]
-    assert not torch.equal(out[0][2], out[1][2])  # nothing was broadcast
+    for rank, (seen, _, codebook) in enumerate(out):
+        if rank in failing:
+            assert seen == "KeyError"
+        else:
+            assert f"raised on rank(s) [{last}]" in seen
+        if rank:
+            assert not torch.equal(out[0][2], codebook)  # nothing was broadcast
 
 
 def _install(rank, world, use_install):
@@ -307,10 +430,13 @@ def _init_with_module(rank, world):
     return before, buffers(model), all(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def test_init_with_module_argument_syncs_that_module_at_once(ranks2):
-    (b0, a0, z0), (b1, a1, z1) = ranks2.run(_init_with_module, timeout=120)
-    assert z0 and z1  # DeepSpeed converted the parameters
-    assert not same_state(b0, b1) and same_state(a0, a1) and same_state(a1, b0)  # rank 0's buffers everywhere
+def test_init_with_module_argument_syncs_that_module_at_once(ranks):
+    out = ranks.run(_init_with_module, timeout=120)
+    b0 = out[0][0]
+    for before, after, converted in out:
+        assert converted  # DeepSpeed converted the parameters
+        assert same_state(after, b0)  # rank 0's buffers everywhere
+    assert not same_state(out[1][0], b0)  # they differed before
 
 
 def test_install_without_a_process_group_patches_and_restores(monkeypatch):

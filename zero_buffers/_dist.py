@@ -81,6 +81,15 @@ def resolve_group(group: Any = None) -> Group | None:
     return Group(pg=group, rank=dist.get_rank(), ranks=ranks, backend=str(dist.get_backend(pg)))
 
 
+def check_rank_arg(value: Any, name: str, fn: str, *, optional: bool = False) -> None:
+    """Raise InvalidSourceRankError unless ``value`` is a non-negative int (or None when ``optional``): at call time."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank{' or None' if optional else ''}, "
+                                     f"got {value!r:.40}")
+
+
 def check_src(g: Group | None, src: int) -> None:
     """Raise InvalidSourceRankError unless ``src`` is a global rank in the group (before any collective)."""
     if isinstance(src, bool) or not isinstance(src, int):
