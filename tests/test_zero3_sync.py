@@ -412,6 +412,43 @@ def test_install_covers_transformers_from_pretrained(ranks, tmp_path, use_instal
     assert same_noise == use_install  # the non-persistent buffer only agrees with install()
 
 
+def _accelerate_from_pretrained(rank, world, path, use_install):
+    init_deepspeed()
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from tests.hf_tiny import TinyModel, save_reference
+    if rank == 0:
+        save_reference(path)
+    dist.barrier()
+    torch.manual_seed(rank)
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True),
+                      kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    try:
+        if use_install:
+            with zb.install():  # Accelerate's plugin makes transformers open zero.Init: install() reaches it
+                model = TinyModel.from_pretrained(path)
+        else:
+            model = TinyModel.from_pretrained(path)
+    finally:
+        del acc
+        AcceleratorState._reset_state(True)
+        unset_hf_deepspeed_config()
+    return buffers(model), model.lin.weight.numel() == 0
+
+
+@pytest.mark.parametrize("use_install", [False, True], ids=["plain", "install"])
+def test_install_covers_zero_init_opened_by_accelerate(ranks, tmp_path, use_install):
+    out = ranks.run(_accelerate_from_pretrained, str(tmp_path), use_install, timeout=180)
+    for bufs, partitioned in out:
+        assert partitioned  # the Accelerator's ZeRO-3 plugin really made transformers build under zero.Init
+        assert bufs["bn.running_mean"].tolist() == list(range(8))
+    same_noise = all(torch.equal(b["noise"], out[0][0]["noise"]) for b, _ in out)
+    assert same_noise == use_install
+
+
 def test_install_without_deepspeed_is_a_clear_error(monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "deepspeed", None)
