@@ -1,6 +1,9 @@
 """A tiny transformers PreTrainedModel with BatchNorm and a random non-persistent buffer (no hub needed)."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -46,13 +49,26 @@ def save_reference(path: str, seed: int = 5) -> TinyModel:
     return model
 
 
-def zero3_from_pretrained(path: str, config: dict) -> TinyModel:
-    """from_pretrained while transformers' global HfDeepSpeedConfig says ZeRO-3 (so it builds under zero.Init)."""
+@contextlib.contextmanager
+def zero3_switched_on(via: str, config: dict) -> Iterator[None]:
+    """Make transformers build under zero.Init: its global HfDeepSpeedConfig (``hf_config``) or an Accelerator
+    with a ZeRO-3 DeepSpeedPlugin (``accelerate``); everything is reset on exit."""
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    keep = HfDeepSpeedConfig(config)  # noqa: F841 - transformers holds only a weakref
+    keep = None
     try:
-        return TinyModel.from_pretrained(path)
+        if via == "accelerate":
+            from accelerate import Accelerator, DeepSpeedPlugin
+            from accelerate.utils import InitProcessGroupKwargs
+            keep = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True),
+                               kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        else:
+            keep = HfDeepSpeedConfig(config)  # transformers holds only a weakref
+        yield
     finally:
+        if via == "accelerate":
+            from accelerate.state import AcceleratorState
+            AcceleratorState._reset_state(True)
+        del keep
         unset_hf_deepspeed_config()

@@ -119,13 +119,18 @@ def test_works_without_zero_parameters(ranks):
         assert torch.equal(state["table"], out[0]["table"])  # non-persistent: rank 0's
 
 
-def _body_raises(rank, world, failing, load_on):
+def _aligned_zero3_vq(rank):
+    """A VQ built under zero.Init with rank-seeded randomness, buffers aligned; and its state before any load."""
     deepspeed = init_deepspeed()
     torch.manual_seed(rank)
     with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
         model = VQ()
     zb.broadcast_buffers(model)
-    before_buffers, before_params = buffers(model), full_params(model)
+    return model, buffers(model), full_params(model)
+
+
+def _body_raises(rank, world, failing, load_on):
+    model, before_buffers, before_params = _aligned_zero3_vq(rank)
     sd = checkpoint()
     try:
         with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
@@ -185,12 +190,7 @@ def test_deepspeed_alone_leaves_a_half_loaded_model_when_a_body_raises(ranks2):
 
 
 def _structure_fails_on_exit(rank, world):
-    deepspeed = init_deepspeed()
-    torch.manual_seed(rank)
-    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
-        model = VQ()
-    zb.broadcast_buffers(model)
-    before_buffers, before_params = buffers(model), full_params(model)
+    model, before_buffers, before_params = _aligned_zero3_vq(rank)
     try:
         with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
             if rank == 0:
@@ -387,66 +387,32 @@ def test_install_syncs_every_zero_init_and_uninstall_restores(ranks, use_install
         assert not torch.equal(after["codebook"], out[0][2]["codebook"])
 
 
-def _from_pretrained(rank, world, path, use_install):
+def _from_pretrained(rank, world, path, use_install, via):
     init_deepspeed()
-    from tests.hf_tiny import save_reference, zero3_from_pretrained
+    from tests.hf_tiny import TinyModel, save_reference, zero3_switched_on
     if rank == 0:
         save_reference(path)
     dist.barrier()
     torch.manual_seed(rank)
-    if use_install:
-        with zb.install():
-            model = zero3_from_pretrained(path, ZERO3_CONFIG)
-    else:
-        model = zero3_from_pretrained(path, ZERO3_CONFIG)
+    with zero3_switched_on(via, ZERO3_CONFIG):  # transformers now builds under a zero.Init it opens itself
+        if use_install:
+            with zb.install():
+                model = TinyModel.from_pretrained(path)
+        else:
+            model = TinyModel.from_pretrained(path)
     return buffers(model), model.lin.weight.numel() == 0
 
 
+@pytest.mark.parametrize("via", ["hf_config", "accelerate"])
 @pytest.mark.parametrize("use_install", [False, True], ids=["plain", "install"])
-def test_install_covers_transformers_from_pretrained(ranks, tmp_path, use_install):
-    out = ranks.run(_from_pretrained, str(tmp_path), use_install, timeout=180)
+def test_install_covers_transformers_from_pretrained(ranks, tmp_path, use_install, via):
+    """transformers opens zero.Init when its global config says ZeRO-3, or an Accelerator's ZeRO-3 plugin does."""
+    out = ranks.run(_from_pretrained, str(tmp_path), use_install, via, timeout=180)
     for bufs, partitioned in out:
         assert partitioned  # really built under zero.Init
         assert bufs["bn.running_mean"].tolist() == list(range(8))  # transformers broadcasts persistent ones
     same_noise = all(torch.equal(b["noise"], out[0][0]["noise"]) for b, _ in out)
     assert same_noise == use_install  # the non-persistent buffer only agrees with install()
-
-
-def _accelerate_from_pretrained(rank, world, path, use_install):
-    init_deepspeed()
-    from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import InitProcessGroupKwargs
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from tests.hf_tiny import TinyModel, save_reference
-    if rank == 0:
-        save_reference(path)
-    dist.barrier()
-    torch.manual_seed(rank)
-    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True),
-                      kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    try:
-        if use_install:
-            with zb.install():  # Accelerate's plugin makes transformers open zero.Init: install() reaches it
-                model = TinyModel.from_pretrained(path)
-        else:
-            model = TinyModel.from_pretrained(path)
-    finally:
-        del acc
-        AcceleratorState._reset_state(True)
-        unset_hf_deepspeed_config()
-    return buffers(model), model.lin.weight.numel() == 0
-
-
-@pytest.mark.parametrize("use_install", [False, True], ids=["plain", "install"])
-def test_install_covers_zero_init_opened_by_accelerate(ranks, tmp_path, use_install):
-    out = ranks.run(_accelerate_from_pretrained, str(tmp_path), use_install, timeout=180)
-    for bufs, partitioned in out:
-        assert partitioned  # the Accelerator's ZeRO-3 plugin really made transformers build under zero.Init
-        assert bufs["bn.running_mean"].tolist() == list(range(8))
-    same_noise = all(torch.equal(b["noise"], out[0][0]["noise"]) for b, _ in out)
-    assert same_noise == use_install
 
 
 def test_install_without_deepspeed_is_a_clear_error(monkeypatch):
