@@ -308,7 +308,7 @@ def bench_bn(ctx: dict) -> list[dict]:
         t_rec = timed(lambda: recompute(net, data, progress=False), ctx["repeats"], ctx["device"])
         t_one = timed(single_pass, ctx["repeats"], ctx["device"])
         samples = n_batches * 32
-        rows.append({"what": "recompute_bn_stats (per rank: 16 batches of 32x3x32x32)",
+        rows.append({"what": f"recompute_bn_stats (per rank: {n_batches} batches of 32x3x32x32)",
                      "zero_buffers.recompute_bn_stats": t_rec, "single_process_pass": t_one,
                      "speedup": t_one / t_rec, "samples_per_s_per_rank": samples / t_rec})
         ctx["log"](f"recompute: {samples / t_rec:.0f} samples/s per rank, overhead {t_rec / t_one:.2f}x a plain pass")

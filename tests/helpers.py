@@ -1,11 +1,14 @@
 """Tiny models and comparisons shared by the tests (imported inside rank workers too)."""
 from __future__ import annotations
 
+import subprocess
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import zero_buffers._dist as _dist
+from zero_buffers import _proc
 
 
 class Toy(nn.Module):
@@ -136,3 +139,24 @@ def log_deepspeed_comm(log: list):
         for name in DEEPSPEED_COLLECTIVES:
             backend.__dict__.pop(name, None)
     return undo
+
+
+def run_cmd(args: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True)`` in a session of its own; on timeout and at the end
+    the child's process group and every process it started (torchrun ranks sit in sessions of their own) are
+    killed (``zero_buffers._proc``), so no launcher or rank outlives the test. A timeout fails the test with the
+    output tail."""
+    kw.setdefault("text", True)
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    try:
+        return _proc.run(args, timeout, **kw)
+    except subprocess.TimeoutExpired as exc:
+        tail = [f"{name}:\n{_tail(text)}" for name, text in (("stdout", exc.stdout), ("stderr", exc.stderr)) if text]
+        raise AssertionError("\n".join([f"{' '.join(map(str, args))} did not finish within {timeout:g} s "
+                                         "(killed with every process it started)", *tail])) from None
+
+
+def _tail(text: str | bytes, n: int = 3000) -> str:
+    text = text.decode(errors="replace") if isinstance(text, bytes) else text
+    return text[-n:]

@@ -5,16 +5,17 @@ Correctness only (each method's result is checked inside the run); no timing is 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import run_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_quick_benchmarks_write_every_output(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--world", "2",
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    out = run_cmd([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick", "--world", "2",
+                   "--out", str(tmp_path)], timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())
     run = data["runs"][0]

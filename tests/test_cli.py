@@ -1,17 +1,31 @@
 """The zero-buffers CLI: list and run the bundled repro scripts on real ranks."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_cmd
 from zero_buffers import cli
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zero_buffers.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+def _cli(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """The CLI in its own session; a repro gets a ``--timeout`` 30 s under the test's so the CLI's own cleanup
+    (kill the launcher's group and every rank) fires first."""
+    if args[:1] == ("repro",) and "--timeout" not in args:
+        args = (*args, "--timeout", f"{timeout - 30:g}")
+    return run_cmd([sys.executable, "-m", "zero_buffers.cli", *args], timeout, **kw)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def test_list_names_every_repro_with_its_summary():
@@ -56,3 +70,26 @@ def test_incident_1_repros_run_under_accelerate_launch_with_deepspeed_zero3(name
     assert "--launcher accelerate" in out.stdout and "RESULT: all fixes hold" in out.stdout
     found = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
     assert len(found) == rows and all(r.rstrip().endswith("yes") for r in found)
+
+
+HANG = '''"""Hangs: each rank records its pid, then sleeps."""
+import os
+import pathlib
+import time
+
+pathlib.Path(os.environ["ZB_TEST_PIDS"], str(os.getpid())).touch()
+time.sleep(600)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_timeout_kills_the_launcher_and_every_rank(tmp_path):
+    (tmp_path / "repro").mkdir()
+    (tmp_path / "repro" / "hang.py").write_text(HANG)
+    (tmp_path / "pids").mkdir()
+    env = dict(os.environ, ZERO_BUFFERS_REPRO_DIR=str(tmp_path / "repro"), ZB_TEST_PIDS=str(tmp_path / "pids"))
+    out = _cli("repro", "hang", "--nproc", "2", "--timeout", "20", timeout=120, env=env)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "hang did not finish within 20 s" in out.stderr and "FAILED (exit 124)" in out.stdout
+    pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(pids) == 2 and not any(map(_alive, pids)), pids  # torchrun put each rank in its own session

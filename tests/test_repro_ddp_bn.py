@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
+
+from tests.helpers import run_cmd
 
 
 def _rows(stdout: str) -> dict[str, list[str]]:
@@ -20,8 +21,8 @@ def _rows(stdout: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_default_checkpoint_loses_accuracy_and_every_fix_restores_it(nproc):
-    out = subprocess.run([sys.executable, "-m", "zero_buffers.cli", "repro", "ddp_bn_checkpoint", "--nproc", str(nproc)],
-                         capture_output=True, text=True, timeout=300)
+    out = run_cmd([sys.executable, "-m", "zero_buffers.cli", "repro", "ddp_bn_checkpoint", "--nproc", str(nproc),
+                   "--timeout", "270"], timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "RESULT: all fixes hold" in out.stdout and f"{nproc} ranks" in out.stdout
     assert len(re.findall(r"step +\d+ .* distributed eval accuracy", out.stdout)) == 4

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import _proc
+
 
 def repro_dir() -> Path:
     """``$ZERO_BUFFERS_REPRO_DIR``, else the ``repro/`` folder beside the package (a source checkout)."""
@@ -53,14 +55,19 @@ def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
 
 
 def run_one(path: Path, nproc: int, backend: str, timeout: float, launcher: str = "torchrun") -> tuple[int, float]:
-    """Run one script on ``nproc`` local ranks; returns (exit code, seconds)."""
+    """Run one script on ``nproc`` local ranks; returns (exit code, seconds).
+
+    The launcher runs in its own session; on timeout (exit code 124), Ctrl-C or exit, its process group and
+    every rank it started (torchrun gives each rank a session of its own) are killed.
+    """
     env = dict(os.environ, ZB_BACKEND=backend, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = launch_command(path, nproc, launcher)
     started = time.monotonic()
     try:
-        code = subprocess.run(cmd, env=env, timeout=timeout).returncode
+        code = _proc.run(cmd, timeout, env=env).returncode
     except subprocess.TimeoutExpired:
-        print(f"zero-buffers: {path.stem} did not finish within {timeout:.0f} s", file=sys.stderr)
+        print(f"zero-buffers: {path.stem} did not finish within {timeout:g} s; killed it and every rank it started",
+              file=sys.stderr)
         code = 124
     return code, time.monotonic() - started
 
@@ -77,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: nccl with one GPU per rank, else gloo on CPU")
     rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
                     help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
-    rp.add_argument("--timeout", type=float, default=900, help="seconds per script (default 900)")
+    rp.add_argument("--timeout", type=float, default=900,
+                    help="seconds per script, then it and all its ranks are killed (default 900)")
     args = parser.parse_args(argv)
 
     folder = repro_dir()
@@ -92,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
+    if not args.timeout > 0:
+        parser.error("--timeout must be > 0")
     names = [args.name] if args.name else list(found)
     unknown = [n for n in names if n not in found]
     if unknown:
