@@ -129,11 +129,11 @@ def _aligned_zero3_vq(rank):
     return model, buffers(model), full_params(model)
 
 
-def _body_raises(rank, world, failing, load_on):
+def _body_raises(rank, world, failing, load_on, snapshot=True):
     model, before_buffers, before_params = _aligned_zero3_vq(rank)
     sd = checkpoint()
     try:
-        with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+        with zb.GatheredParametersAndBuffers(model, modifier_rank=0, snapshot=snapshot):
             if rank in load_on:
                 model.load_state_dict(sd)
                 model.bn.running_var = torch.full((4,), 7.0)  # replaced, not copied into: must come back too
@@ -165,6 +165,14 @@ def test_exception_in_body_commits_nothing_on_any_rank(ranks, where):
         # DeepSpeed's GatheredParameters alone would broadcast rank 0's loaded weights here
         assert params_unchanged, f"rank {rank}: half-loaded parameters"
         assert buffers_unchanged, f"rank {rank}: half-loaded buffers"
+
+
+def test_without_snapshot_a_failure_commits_no_parameter_and_broadcasts_nothing(ranks2):
+    out = ranks2.run(_body_raises, [1], [0], False, timeout=120)
+    (seen0, _, buffers0, params0, _), (seen1, _, buffers1, params1, _) = out
+    assert seen0[0] == "ZeroBuffersError" and seen1[0] == "ValueError"
+    assert params0 and params1  # ZeRO parameters are still discarded (no copy needed for them)
+    assert not buffers0 and buffers1  # rank 0's loaded buffers stay as its body left them: nothing broadcast
 
 
 def _ds_alone_body_raises(rank, world):

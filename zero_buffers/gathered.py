@@ -94,7 +94,10 @@ class GatheredParametersAndBuffers:
     parameters are restored from a copy taken on enter, on every rank; every rank raises (the body's
     own exception where it raised, :class:`ZeroBuffersError` elsewhere). DeepSpeed's own context
     broadcasts whatever the modifier rank holds even then, leaving a half-loaded model. The copy
-    costs the size of the modules' buffers and plain parameters.
+    costs the size of the modules' buffers and plain parameters (small under ZeRO-3, whose parameters
+    need none); for a large plain (DDP) model pass ``snapshot=False``: a failure then still commits
+    no ZeRO parameter and broadcasts nothing, but buffers and plain parameters stay as the body left
+    them on each rank.
 
     Works without DeepSpeed and with plain (DDP) models: there is nothing to gather, buffers are still
     handled. DeepSpeed's context is always exited.
@@ -109,7 +112,7 @@ class GatheredParametersAndBuffers:
 
     def __init__(self, target: Any, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
                  enabled: bool = True, *, check_buffers: bool = True, atol: float = 0.0, group: Any = None,
-                 timeout: _dist.Timeout = None):
+                 timeout: _dist.Timeout = None, snapshot: bool = True):
         self.enabled = enabled
         if not enabled:
             return
@@ -117,7 +120,7 @@ class GatheredParametersAndBuffers:
         modules, loose = _split(target)
         params = loose + [p for m in modules for p in m.parameters()]
         self.modifier_rank = modifier_rank
-        self.check_buffers, self.atol, self.group = check_buffers, atol, group
+        self.check_buffers, self.atol, self.group, self.snapshot = check_buffers, atol, group, snapshot
         self.timeout = _dist.check_timeout(timeout, "GatheredParametersAndBuffers")
         plain = [p for p in loose if not hasattr(p, "ds_id")]
         self._box = _dist.as_module(modules, plain) if modules or plain else None
@@ -135,7 +138,7 @@ class GatheredParametersAndBuffers:
             return self
         if self._box is not None and self.modifier_rank is None and self.check_buffers:
             assert_buffers_in_sync(self._box, group=self.group, atol=self.atol, timeout=self.timeout)
-        if self._box is not None and self.modifier_rank is not None:
+        if self._box is not None and self.modifier_rank is not None and self.snapshot:
             with torch.no_grad():
                 self._saved = _snapshot(self._box)
         if self._ds is not None:
