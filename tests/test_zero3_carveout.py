@@ -158,14 +158,18 @@ def _frozen(rank, world, src):
     try:
         parent = nn.Sequential(replica)
         parent.train()  # a training loop switching everything to train mode must not move BN stats
-        x = torch.ones(2, 3, 4, 4, 4)
+        x = torch.ones(2, 3, 4, 4, 4, requires_grad=True)  # autograd would track the output through x
         y = replica(x)
     finally:
         undo()
         restore_collectives(real)
+    # the control: the same module and input through the unfrozen class's forward (no no_grad) is tracked
+    control = Tokenizer.forward(replica, x)
     state = replica.state_dict()
     return dict(same_object=replica is tok, keys=keys, new_keys=list(state.keys()), state=state, calls=calls,
-                y=y, grad=y.requires_grad, params=len(list(replica.parameters())), training=replica.training,
+                y=y.detach(), grad=y.requires_grad or y.grad_fn is not None,
+                control_grad=control.requires_grad and control.grad_fn is not None,
+                params=len(list(replica.parameters())), training=replica.training,
                 tied=replica.proj.weight is replica.proj2.weight, before=before, name=type(replica).__name__,
                 stats_after=buffers(replica))
 
@@ -180,7 +184,8 @@ def test_frozen_replica_is_a_full_identical_no_grad_replica(ranks, src_kind):
         assert r["new_keys"] == r["keys"]  # same state_dict keys, same order
         assert same_state(r["state"], out[src]["state"])  # everything equals rank src's
         assert r["calls"] == []  # forward: no all-gather, no broadcast
-        assert not r["grad"] and r["params"] == 0 and not r["training"] and r["tied"]
+        assert not r["grad"] and r["control_grad"]  # forward runs under no_grad, even for an input needing grad
+        assert r["params"] == 0 and not r["training"] and r["tied"]
         assert torch.equal(r["y"], out[0]["y"])  # same output on every rank for the same input
         assert same_state(r["stats_after"], {k: r["state"][k] for k in r["stats_after"]})  # BN did not update
     if src == 0:
