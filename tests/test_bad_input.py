@@ -133,17 +133,23 @@ def test_bad_arguments_on_two_ranks_raise_before_any_collective_the_same_everywh
 
 
 def _src_out_of_range(rank, world, src):
+    log: list = []
+    real = log_collectives(log)
     try:
         zb.broadcast_buffers(_model(), src=src)
     except zb.InvalidSourceRankError as e:
-        return str(e)
+        return str(e), log
+    finally:
+        restore_collectives(real)
+    return None, log
 
 
 @pytest.mark.parametrize("src", [2, -1, 99])
 def test_src_outside_the_world_names_src_world_and_rank(ranks2, src):
     out = ranks2.run(_src_out_of_range, src)
-    for rank, message in enumerate(out):
+    for rank, (message, log) in enumerate(out):
         assert message == f"src={src} is out of range for world size 2 (rank {rank})"
+        assert log == [], log  # raised before any collective
 
 
 @pytest.mark.parametrize("fn", FNS)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
+from tests.helpers import log_collectives, restore_collectives
 
 
 def _bn_zoo(dtype=torch.float32):
@@ -39,18 +40,23 @@ def _average(rank, world, dtype):
     return local, out, merged
 
 
+def _mixture(locals_, name):
+    """The float64 reference for one layer: (total count, mean, var) of the ranks' statistics in ``locals_``."""
+    n = torch.tensor([loc[name][0] for loc in locals_], dtype=torch.float64)
+    means = torch.stack([loc[name][1] for loc in locals_])
+    vars_ = torch.stack([loc[name][2] for loc in locals_])
+    w = (n / n.sum())[:, None]
+    mean = (w * means).sum(0)
+    return n, mean, (w * vars_).sum(0) + (w * (means - mean) ** 2).sum(0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_matches_float64_reference_on_every_rank(ranks, dtype):
     out = ranks.run(_average, dtype)
     locals_ = [o[0] for o in out]
     tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float64: 1e-12}[dtype]
     for name in locals_[0]:
-        n = torch.tensor([loc[name][0] for loc in locals_], dtype=torch.float64)
-        means = torch.stack([loc[name][1] for loc in locals_])
-        vars_ = torch.stack([loc[name][2] for loc in locals_])
-        w = (n / n.sum())[:, None]
-        mean = (w * means).sum(0)
-        var = (w * vars_).sum(0) + (w * (means - mean) ** 2).sum(0)
+        n, mean, var = _mixture(locals_, name)
         for _, result, merged in out:
             assert merged == 4
             count, got_mean, got_var = result[name]
@@ -95,3 +101,52 @@ def _nothing_tracked(rank, world):
 def test_layers_no_rank_updated_are_left_alone(ranks2):
     (n0, m0), (n1, m1) = ranks2.run(_nothing_tracked)
     assert (n0, n1) == (0, 0) and m0.tolist() == [0, 0] and m1.tolist() == [1, 1]
+
+
+def _average_in(rank, world, members):
+    """average_bn_stats over ``group`` (a subgroup when ``members`` is a list, else one group per rank)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(members)] if members else [dist.new_group([r]) for r in range(world)]
+    group = groups[0] if members else groups[rank]
+    model, local = _set_stats(rank, torch.float64)
+    log: list = []
+    real = log_collectives(log)
+    try:
+        merged = zb.average_bn_stats(model, group=group)
+    finally:
+        restore_collectives(real)
+    out = {n: (int(m.num_batches_tracked), m.running_mean.clone(), m.running_var.clone())
+           for n, m in model.items() if m.running_mean is not None}
+    return local, out, merged, log
+
+
+def _kept_own_stats(local, result) -> bool:
+    return all(result[k][0] == local[k][0] and torch.equal(result[k][1], local[k][1])
+               and torch.equal(result[k][2], local[k][2]) for k in local)
+
+
+def test_average_on_a_process_group_subset_merges_members_only(ranks4):
+    members = [0, 2]
+    out = ranks4.run(_average_in, members)
+    member_locals = [out[r][0] for r in members]
+    for name in member_locals[0]:
+        n, mean, var = _mixture(member_locals, name)
+        _, world_mean, _ = _mixture([o[0] for o in out], name)
+        assert not torch.allclose(mean, world_mean)  # the group's mixture is not the world's
+        for r in members:
+            count, got_mean, got_var = out[r][1][name]
+            assert count == int(n.sum())
+            torch.testing.assert_close(got_mean, mean, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got_var, var, rtol=1e-12, atol=1e-12)
+            assert torch.equal(got_mean, out[0][1][name][1]) and torch.equal(got_var, out[0][1][name][2])
+    for r in members:
+        assert out[r][2] == 4 and out[r][3]  # merged, with collectives
+    for r in (1, 3):  # not members: a no-op that keeps this rank's statistics and issues no collective
+        local, result, merged, log = out[r]
+        assert merged == 0 and log == [] and _kept_own_stats(local, result)
+
+
+def test_average_on_a_single_rank_group_is_a_no_op(ranks):
+    for local, result, merged, log in ranks.run(_average_in, None):
+        assert merged == 0 and log == [] and _kept_own_stats(local, result)

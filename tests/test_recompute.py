@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
+import time
 
 import pytest
 import torch
@@ -216,6 +218,47 @@ def test_a_failing_rank_raises_the_same_error_everywhere_and_nothing_changes(ran
         assert caught[1] == (0, world - 1)
         assert caught[2] == {0: "ValueError", world - 1: "OSError"}.get(rank)
         assert same and training is False
+
+
+class _SilentFailure(OSError):
+    """A data failure whose message never comes: the failing rank stalls for good in str() of it, i.e. right
+    after the all-reduce that told every rank about the failure and before the exchange of the messages."""
+
+    def __str__(self):
+        threading.Event().wait()  # never set: the harness kills this rank
+        return "unreachable"
+
+
+def _failure_message_exchange_stalls(rank, world, timeout):
+    model = make_zoo()
+    before = stats_of(model)
+
+    def broken():
+        yield rank_batches(rank)[0]
+        raise _SilentFailure()
+
+    started = time.monotonic()
+    try:
+        zb.recompute_bn_stats(model, broken() if rank == world - 1 else rank_batches(rank), progress=False,
+                              timeout=timeout)
+        caught = None
+    except zb.RecomputeError as e:
+        caught = (str(e), e.ranks)
+    after = stats_of(model)
+    same = all(torch.equal(before[n][i], after[n][i]) for n in before for i in range(2))
+    return caught, time.monotonic() - started, same
+
+
+def test_a_peer_stalling_in_the_failure_message_exchange_is_bounded_by_timeout(ranks2):
+    # The messages travel through the library's timed gather: without it (dist.all_gather_object) rank 0 would
+    # wait for the process group's own 120 s timeout, past this call's deadline.
+    out = ranks2.run(_failure_message_exchange_stalls, 2.0, allow_dead=[1], timeout=60)
+    assert out[1] is None  # the stalled rank never answered
+    caught, elapsed, same = out[0]
+    assert caught is not None and caught[1] == (1,), caught
+    assert "failed on rank 1 (no message)" in caught[0] and "No buffer was modified" in caught[0], caught[0]
+    assert 2.0 <= elapsed < 2.0 + 8.0, elapsed  # the timeout, plus scheduling slack on 2 shared cores
+    assert same
 
 
 def _structure_mismatch(rank, world):

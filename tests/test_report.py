@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zero_buffers as zb
-from tests.helpers import Toy, log_collectives, restore_collectives, scramble
+from tests.helpers import Toy, buffers, log_collectives, restore_collectives, same_state, scramble
 
 
 def _gathers_during(fn):
@@ -100,3 +100,66 @@ def _in_sync_report(rank, world):
 def test_agreeing_buffers_cost_one_collective(ranks):
     # structure digest and a digest of all content digests travel together: the common case is one gather
     assert ranks.run(_in_sync_report) == [(True, 1)] * ranks.world_size
+
+
+def _report_subgroup(rank, world, members):
+    """'codebook' differs on every rank; 'steps' differs only between the non-members."""
+    import torch.distributed as dist
+
+    group = dist.new_group(members)  # every rank calls new_group; only members then take part
+    model = scramble(Toy(), 0)
+    with torch.no_grad():
+        model.codebook[0, 0] += rank
+        model.steps += 7 * (rank not in members) * rank
+    before = buffers(model)
+    log: list = []
+    real = log_collectives(log)
+    try:
+        report = zb.buffer_report(model, group=group)
+        try:
+            zb.assert_buffers_in_sync(model, group=group)
+            err = None
+        except zb.BuffersOutOfSyncError as e:
+            err = str(e)
+        ok = zb.assert_buffers_in_sync(model, group=group, ignore=("codebook",))  # steps differ outside only
+    finally:
+        restore_collectives(real)
+    return report, err, ok, log, same_state(before, buffers(model))
+
+
+def test_report_and_assert_on_a_process_group_subset(ranks4):
+    members = [1, 3]
+    out = ranks4.run(_report_subgroup, members)
+    for r in members:
+        report, err, ok, log, unchanged = out[r]
+        assert report == out[members[0]][0] and err == out[members[0]][1]  # the same on both members
+        assert report.checked and report.ranks == (1, 3) and report.reference_rank == 1
+        rows = {row.name: row for row in report.rows}
+        assert [row.name for row in report.out_of_sync] == ["codebook"]  # not 'steps': it differs outside only
+        assert rows["codebook"].differing_ranks == (3,) and rows["codebook"].max_abs_diff == pytest.approx(2.0, abs=1e-5)
+        assert err is not None and "1 of 12 buffers differ across ranks [1, 3]" in err and "codebook" in err
+        assert ok.in_sync and ok.checked and ok.ranks == (1, 3)
+        assert unchanged and log  # members really communicated
+    for r in (0, 2):  # not members: no-ops that keep their values and issue no collective
+        report, err, ok, log, unchanged = out[r]
+        assert not report.checked and report.in_sync and report.ranks == (r,) and err is None and not ok.checked
+        assert log == [] and unchanged
+
+
+def _single_rank_group_assert(rank, world):
+    import torch.distributed as dist
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    model = scramble(Toy(), rank)  # every buffer differs across ranks
+    before = buffers(model)
+    log: list = []
+    real = log_collectives(log)
+    try:
+        report = zb.assert_buffers_in_sync(model, group=groups[rank])  # a group of one: nothing to compare
+    finally:
+        restore_collectives(real)
+    return report.checked, report.in_sync, report.ranks, log, same_state(before, buffers(model))
+
+
+def test_assert_on_a_single_rank_group_is_a_no_op(ranks):
+    assert ranks.run(_single_rank_group_assert) == [(False, True, (r,), [], True) for r in range(ranks.world_size)]

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import buffers, same_state, scramble
+from tests.helpers import buffers, log_collectives, restore_collectives, same_state, scramble
 
 
 class Net(nn.Module):
@@ -105,12 +105,17 @@ def test_ranks_passing_different_src_raise_instead_of_corrupting(ranks):
 
 def _bad_src(rank, world, src, subgroup):
     import torch.distributed as dist
-    group = dist.new_group([0, 1]) if subgroup else None
+    group = dist.new_group([0, 1]) if subgroup else None  # new_group is collective itself: before the log starts
+    log: list = []
+    real = log_collectives(log)
     try:
         zb.broadcast_buffers(Net(None), src=src, group=group)
+        err = None
     except zb.InvalidSourceRankError as e:
-        return str(e)
-    return None
+        err = str(e)
+    finally:
+        restore_collectives(real)
+    return err, log
 
 
 @pytest.mark.parametrize("src,subgroup,match", [(-1, False, "out of range"), (99, False, "out of range for world"),
@@ -119,7 +124,11 @@ def test_invalid_src_raises_before_any_collective(ranks4, src, subgroup, match):
     out = ranks4.run(_bad_src, src, subgroup, timeout=20)
     members = [0, 1] if subgroup else range(4)
     for r in members:
-        assert out[r] is not None and __import__("re").search(match, out[r]), out[r]
+        assert out[r][0] is not None and __import__("re").search(match, out[r][0]), out[r]
+    for r in range(4):
+        assert out[r][1] == [], (r, out[r][1])  # no collective issued, not even the structure digest
+    if subgroup:  # non-members: a no-op
+        assert out[2][0] is None and out[3][0] is None
 
 
 def _meta(rank, world):
@@ -131,9 +140,10 @@ def _meta(rank, world):
         return str(e)
 
 
-def test_meta_buffers_raise_a_clear_error(ranks2):
-    out = ranks2.run(_meta)
-    assert out[0] == out[1] and "meta device" in out[0] and "running_mean" in out[0]
+def test_meta_buffers_raise_a_clear_error(ranks):
+    out = ranks.run(_meta)
+    assert out[0] is not None and all(m == out[0] for m in out)
+    assert "meta device" in out[0] and "running_mean" in out[0]
 
 
 def test_bad_arguments_are_typed_errors():

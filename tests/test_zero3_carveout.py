@@ -141,6 +141,79 @@ def test_no_zero_init_escapes_transformers_and_accelerate(ranks, tmp_path, mode)
     assert not torch.equal(out[0]["noise_before"], out[1]["noise_before"])  # random init differed per rank
 
 
+def _hf_state(hf, pp, plugin) -> dict:
+    """Everything no_zero_init touches or could touch: transformers' weakref, DeepSpeed's context, the plugin."""
+    import os
+    ref = hf._hf_deepspeed_config_weak_ref
+    state = dict(ref=ref, obj=ref() if ref is not None else None, zero3=hf.is_deepspeed_zero3_enabled(),
+                 config=hf.deepspeed_config(), ctx=pp.top_level_context,
+                 patched=getattr(pp.top_level_context, "patched", None), env=dict(os.environ))
+    if plugin is not None:
+        state.update(dschf=plugin.dschf, flag=plugin.zero3_init_flag, config_dict=plugin.deepspeed_config)
+    return state
+
+
+def _raises_under_hf(rank, world, mode):
+    import os
+
+    deepspeed = init_deepspeed()
+    import transformers.integrations.deepspeed as hf
+    from transformers.integrations import HfDeepSpeedConfig
+
+    pp = deepspeed.runtime.zero.partition_parameters
+    env = dict(os.environ)
+    plugin = keep = None
+    if mode == "accelerate":
+        from accelerate import Accelerator, DeepSpeedPlugin
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import InitProcessGroupKwargs
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True),
+                          kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+        plugin = acc.state.deepspeed_plugin
+    else:
+        keep = HfDeepSpeedConfig(ZERO3_CONFIG)
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+            before = _hf_state(hf, pp, plugin)
+            try:
+                with zb.no_zero_init():
+                    inside = _hf_state(hf, pp, plugin)
+                    inside_plain = is_plain(Tokenizer())
+                    raise RuntimeError("boom")
+            except RuntimeError as e:
+                caught = str(e)
+            after = _hf_state(hf, pp, plugin)
+            partitioned_after = is_partitioned(Tokenizer())
+        seen = dict(
+            caught=caught == "boom",
+            flag_before=before["zero3"] is True, escaped_inside=inside["zero3"] is False and inside["ref"] is None,
+            inside_plain=inside_plain, flag_after=after["zero3"] is True,
+            same_weakref=after["ref"] is before["ref"],  # the very weakref object, not a new one
+            same_config_object=after["obj"] is before["obj"] and after["config"] is before["config"],
+            owner=before["obj"] is (plugin.dschf if plugin is not None else keep),
+            same_ds_context=after["ctx"] is before["ctx"] and after["patched"] is True,
+            partitioned_after=partitioned_after, env=after["env"] == before["env"])
+        if plugin is not None:  # Accelerate's plugin: same state object, same dschf, same flag and config
+            seen.update(same_plugin=acc.state.deepspeed_plugin is plugin, same_dschf=after["dschf"] is before["dschf"],
+                        plugin_flag=after["flag"] is True and plugin.is_zero3_init_enabled(),
+                        plugin_config=after["config_dict"] is before["config_dict"])
+        return seen
+    finally:
+        if mode == "accelerate":
+            AcceleratorState._reset_state(True)
+        hf.unset_hf_deepspeed_config()
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@pytest.mark.parametrize("mode", ["hf_config", "accelerate"])
+def test_no_zero_init_restores_transformers_and_accelerate_state_on_exception(ranks, mode):
+    out = ranks.run(_raises_under_hf, mode, timeout=180)
+    for seen in out:
+        assert all(seen.values()), [k for k, v in seen.items() if not v]
+    assert all(seen.keys() == out[0].keys() for seen in out)
+
+
 def _frozen(rank, world, src):
     deepspeed = init_deepspeed()
     torch.manual_seed(rank)
@@ -158,14 +231,18 @@ def _frozen(rank, world, src):
     try:
         parent = nn.Sequential(replica)
         parent.train()  # a training loop switching everything to train mode must not move BN stats
-        x = torch.ones(2, 3, 4, 4, 4)
+        x = torch.ones(2, 3, 4, 4, 4, requires_grad=True)  # autograd would track the output through x
         y = replica(x)
     finally:
         undo()
         restore_collectives(real)
+    # the control: the same module and input through the unfrozen class's forward (no no_grad) is tracked
+    control = Tokenizer.forward(replica, x)
     state = replica.state_dict()
     return dict(same_object=replica is tok, keys=keys, new_keys=list(state.keys()), state=state, calls=calls,
-                y=y, grad=y.requires_grad, params=len(list(replica.parameters())), training=replica.training,
+                y=y.detach(), grad=y.requires_grad or y.grad_fn is not None,
+                control_grad=control.requires_grad and control.grad_fn is not None,
+                params=len(list(replica.parameters())), training=replica.training,
                 tied=replica.proj.weight is replica.proj2.weight, before=before, name=type(replica).__name__,
                 stats_after=buffers(replica))
 
@@ -180,7 +257,8 @@ def test_frozen_replica_is_a_full_identical_no_grad_replica(ranks, src_kind):
         assert r["new_keys"] == r["keys"]  # same state_dict keys, same order
         assert same_state(r["state"], out[src]["state"])  # everything equals rank src's
         assert r["calls"] == []  # forward: no all-gather, no broadcast
-        assert not r["grad"] and r["params"] == 0 and not r["training"] and r["tied"]
+        assert not r["grad"] and r["control_grad"]  # forward runs under no_grad, even for an input needing grad
+        assert r["params"] == 0 and not r["training"] and r["tied"]
         assert torch.equal(r["y"], out[0]["y"])  # same output on every rank for the same input
         assert same_state(r["stats_after"], {k: r["state"][k] for k in r["stats_after"]})  # BN did not update
     if src == 0:
@@ -253,9 +331,10 @@ def _frozen_twice_and_failing(rank, world):
     return first, buffers(again), type(again).__name__, failed, restored
 
 
-def test_frozen_replica_is_idempotent_and_a_failed_call_changes_nothing(ranks2):
-    out = ranks2.run(_frozen_twice_and_failing)
-    (f0, a0, n0, fail0, ok0), (f1, a1, n1, fail1, ok1) = out
-    assert same_state(f0, f1) and same_state(a0, a1) and n0 == n1 == "FrozenTokenizer"
-    assert torch.equal(a0["bn.running_mean"], f0["bn.running_mean"] + 1)  # rank 1's values won
-    assert fail0 and fail1 and ok0 and ok1
+def test_frozen_replica_is_idempotent_and_a_failed_call_changes_nothing(ranks):
+    out = ranks.run(_frozen_twice_and_failing)
+    f0, a0 = out[0][0], out[0][1]
+    for first, again, name, failed, restored in out:
+        assert same_state(first, f0) and same_state(again, a0) and name == "FrozenTokenizer"
+        assert failed and restored
+    assert torch.equal(a0["bn.running_mean"], f0["bn.running_mean"] + ranks.world_size - 1)  # the last rank's won

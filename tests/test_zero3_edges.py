@@ -61,8 +61,8 @@ def _no_zero_init_nested_and_after_initialize(rank, world):
     return seen
 
 
-def test_no_zero_init_in_nested_inits_and_after_deepspeed_initialize(ranks2):
-    for seen in ranks2.run(_no_zero_init_nested_and_after_initialize, timeout=180):
+def test_no_zero_init_in_nested_inits_and_after_deepspeed_initialize(ranks):
+    for seen in ranks.run(_no_zero_init_nested_and_after_initialize, timeout=180):
         assert all(seen.values()), seen
 
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
@@ -15,7 +14,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
 from . import _bn, _dist
-from .errors import InvalidArgumentError, RecomputeError
+from .errors import CollectiveError, InvalidArgumentError, RecomputeError
 
 _FN = "recompute_bn_stats"
 
@@ -120,7 +119,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
                           failure is not None)
         if g is not None:
             totals = _dist.all_reduce_sum(g, totals.to(g.device), timeout, _FN).cpu()
-        _raise_failures(g, totals[:world], failure)
+        _raise_failures(g, totals[:world], failure, timeout)
         _restore(saved_stats)  # the layers' own train-mode updates during the passes are discarded
         return _write(bns, totals[world:], world)
     except BaseException:
@@ -343,16 +342,16 @@ class _Runner:
                     self.acc.enabled = True
 
 
-def _raise_failures(g: _dist.Group | None, flags: torch.Tensor, failure: BaseException | None) -> None:
+def _raise_failures(g: _dist.Group | None, flags: torch.Tensor, failure: BaseException | None,
+                    timeout: _dist.Timeout) -> None:
     """Raise the same RecomputeError on every rank when any rank's passes failed."""
     if g is None or not bool((flags > 0).any()):
         return
     failed = tuple(r for r, f in zip(g.ranks, flags.tolist()) if f > 0)
     mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    messages: list[Any] = [None] * g.size
-    try:
-        dist.all_gather_object(messages, mine, group=g.pg)
-    except RuntimeError:
+    try:  # the messages are a courtesy: a peer that dies or stalls here (past timeout) leaves them out
+        messages: list[Any] = _dist.gather_objects(g, mine, timeout, _FN)
+    except CollectiveError:
         messages = [None] * g.size
     reasons = "; ".join(f"rank {r}: {m}" for r, m in zip(g.ranks, messages) if m is not None and r in failed)
     who = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(map(str, failed))
