@@ -237,3 +237,39 @@ def test_check_timeout_normalises():
     assert _dist.check_timeout(1e10, "f") is None  # beyond what c10d's clock can add: wait without a limit
     assert _dist.check_timeout(2, "f") == datetime.timedelta(seconds=2)
     assert _dist.check_timeout(datetime.timedelta(seconds=3), "f") == datetime.timedelta(seconds=3)
+
+
+def _timeout_calls(timeout):
+    """Every public entry point that takes ``timeout``, called with it (no process group)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from tests.helpers import ZERO3_CONFIG
+    x = torch.randn(8, 3)
+    acc = Accelerator(cpu=True)
+    try:
+        yield "broadcast_buffers", lambda: zb.broadcast_buffers(_model(), timeout=timeout)
+        yield "buffer_report", lambda: zb.buffer_report(_model(), timeout=timeout)
+        yield "assert_buffers_in_sync", lambda: zb.assert_buffers_in_sync(_model(), timeout=timeout)
+        yield "average_bn_stats", lambda: zb.average_bn_stats(_model(), timeout=timeout)
+        yield "recompute_bn_stats", lambda: zb.recompute_bn_stats(_model(), x, timeout=timeout, progress=False)
+        yield "sync_buffers", lambda: zb.sync_buffers(_model(), "average", timeout=timeout)
+        yield "sync_buffers_on_save", lambda: zb.sync_buffers_on_save(acc, "broadcast", timeout=timeout).remove()
+        yield "frozen_replica", lambda: zb.frozen_replica(_model(), timeout=timeout)
+        yield "GatheredParametersAndBuffers", lambda: zb.GatheredParametersAndBuffers(_model(), timeout=timeout)
+        yield "zero_buffers.Init", lambda: zb.Init(config_dict_or_path=ZERO3_CONFIG, timeout=timeout, enabled=False)
+        yield "install", lambda: zb.install(timeout=timeout).__exit__(None, None, None)
+    finally:
+        AcceleratorState._reset_state(True)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "5", math.nan])
+def test_every_public_timeout_is_validated_at_the_call(monkeypatch, timeout):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for fn, call in _timeout_calls(timeout):
+        with pytest.raises(zb.InvalidArgumentError, match=re.escape(f"{fn}(): timeout must be")):
+            call()
+        assert not zb.installed()
+    for fn, call in _timeout_calls(math.inf):  # "no limit" is accepted everywhere (a real zero.Init needs ranks)
+        if fn != "zero_buffers.Init":
+            call()

@@ -75,6 +75,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         raise InvalidArgumentError(f"{_FN}(): num_batches must be None or an int >= 0, got {num_batches!r}")
     if forward is not None and not callable(forward):
         raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
+    timeout = _dist.check_timeout(timeout, _FN)
     if not _dist.is_member(group):
         return 0
     inner = _dist.unwrap(model, _FN)

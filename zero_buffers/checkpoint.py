@@ -50,6 +50,7 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     """
     _check_policy(policy, data, "sync_buffers")
     _dist.check_module(model, "sync_buffers")
+    _dist.check_timeout(timeout, "sync_buffers")
     inner = _dist.unwrap(model, "sync_buffers")
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
@@ -172,6 +173,8 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
         accelerator.save_state("ckpt")                               # BatchNorm stats of all ranks
     """
     _check_policy(policy, data, "sync_buffers_on_save")
+    _dist.check_rank_arg(src, "src", "sync_buffers_on_save")  # now, not at the first save
+    _dist.check_timeout(timeout, "sync_buffers_on_save")
     if getattr(target, "_zero_buffers_save_hook", None) is not None:
         raise InvalidArgumentError(
             "sync_buffers_on_save(): this object already has a save hook; call .remove() on it first")

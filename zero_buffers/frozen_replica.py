@@ -82,6 +82,7 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
         tokenizer = zero_buffers.frozen_replica(tokenizer)   # full, identical, no_grad, no all-gather
     """
     _dist.check_module(module, "frozen_replica")
+    _dist.check_timeout(timeout, "frozen_replica")
     _dist.check_src(_dist.resolve_group(group), src)
     cls = type(module)
     owners = _params_to_buffers(module)
