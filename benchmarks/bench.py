@@ -5,7 +5,8 @@
     python benchmarks/bench.py --world 2 --only broadcast scaling
 
 Every number is the median over repeats of the slowest rank's wall time for one call (ranks start
-each call together after a barrier). gloo on CPU by default, nccl when there is one GPU per rank.
+each call together after a barrier); the methods compared take turns call by call, so drift on a
+shared machine hits them alike. gloo on CPU by default, nccl when there is one GPU per rank.
 Writes ``results.json``, ``results.md`` and ``scaling.png`` into the output folder.
 """
 from __future__ import annotations
@@ -119,20 +120,28 @@ def timm_distribute_bn(model: nn.Module, world: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # measuring
 # --------------------------------------------------------------------------------------------------
-def timed(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    """Median over repeats of the slowest rank's seconds for one ``fn()`` call."""
-    times = []
-    for i in range(repeats + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if i >= 2:  # two warm-up calls
-            times.append(float(elapsed))
-    return statistics.median(times)
+def _once(fn: Callable[[], Any], device: torch.device) -> float:
+    """The slowest rank's seconds for one ``fn()`` call, all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median over ``repeats`` of each method's slowest-rank seconds; the methods take turns call by call, so
+    drift on a shared machine hits every method alike and their ratios are measured side by side."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(repeats + 2):  # two warm-up rounds
+        for name, fn in fns.items():
+            t = _once(fn, device)
+            if i >= 2:
+                times[name].append(t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def scrambled(builder: Callable[[], nn.Module], rank: int, device: torch.device) -> nn.Module:
@@ -183,7 +192,7 @@ def bench_broadcast(ctx: dict) -> list[dict]:
                         t.copy_(v)
                 fn()
                 check_equal_to_src(model)
-            res[method] = timed(fn, reps, dev)
+        res.update(timed_together(methods, reps, dev))
         res["speedup_vs_loop"] = res["per_buffer_loop"] / res["zero_buffers.broadcast_buffers"]
         res["ratio_vs_raw"] = res["zero_buffers.broadcast_buffers"] / res["raw_flat_broadcast"]
         res["ratio_vs_torch_coalesced"] = res["zero_buffers.broadcast_buffers"] / res["torch_broadcast_coalesced"]
@@ -206,8 +215,9 @@ def bench_check(ctx: dict) -> list[dict]:
         report = zb.buffer_report(model)
         if not report.in_sync:
             raise AssertionError(f"{name}: identical buffers reported out of sync")
-        t_report = timed(lambda: zb.buffer_report(model), ctx["repeats"], ctx["device"])
-        t_bcast = timed(lambda: zb.broadcast_buffers(model), ctx["repeats"], ctx["device"])
+        t = timed_together({"report": lambda: zb.buffer_report(model), "bcast": lambda: zb.broadcast_buffers(model)},
+                           ctx["repeats"], ctx["device"])
+        t_report, t_bcast = t["report"], t["bcast"]
         rows.append({"set": name, "buffer_report": t_report, "broadcast_buffers": t_bcast,
                      "report_over_broadcast": t_report / t_bcast})
         ctx["log"](f"check {name}: report/broadcast {t_report / t_bcast:.2f}")
@@ -250,10 +260,12 @@ def bench_frozen(ctx: dict) -> list[dict]:
         for out in (gathered(x), replica(x)):
             torch.testing.assert_close(out, want)
         r = {"input": f"1x3x4x{size}x{size}"}
-        r["GatheredParameters"] = timed(lambda: gathered(x), ctx["repeats"], ctx["device"])
-        r["frozen_replica"] = timed(lambda: replica(x), ctx["repeats"], ctx["device"])
-        with torch.no_grad():
-            r["plain"] = timed(lambda: plain(x), ctx["repeats"], ctx["device"])
+        def plain_no_grad(x: torch.Tensor = x) -> torch.Tensor:
+            with torch.no_grad():
+                return plain(x)
+
+        r.update(timed_together({"GatheredParameters": lambda: gathered(x), "frozen_replica": lambda: replica(x),
+                                 "plain": plain_no_grad}, ctx["repeats"], ctx["device"]))
         r["frozen_over_plain"] = r["frozen_replica"] / r["plain"]
         r["gathered_over_frozen"] = r["GatheredParameters"] / r["frozen_replica"]
         rows.append(r)
@@ -284,8 +296,8 @@ def bench_bn(ctx: dict) -> list[dict]:
         reset()
         timm_distribute_bn(model, ctx["world"])
 
-    t_ours, t_timm = timed(ours, ctx["repeats"], ctx["device"]), timed(timm, ctx["repeats"], ctx["device"])
-    t_reset = timed(reset, ctx["repeats"], ctx["device"])
+    t = timed_together({"ours": ours, "timm": timm, "reset": reset}, ctx["repeats"], ctx["device"])
+    t_ours, t_timm, t_reset = t["ours"], t["timm"], t["reset"]
     rows.append({"what": "merge BN stats (ResNet-101 BN set)" if not ctx["quick"] else "merge BN stats",
                  "zero_buffers.average_bn_stats": t_ours - t_reset, "timm_style_loop": t_timm - t_reset,
                  "speedup": (t_timm - t_reset) / max(t_ours - t_reset, 1e-9)})
@@ -305,8 +317,9 @@ def bench_bn(ctx: dict) -> list[dict]:
                 for x in data:
                     net(x)
 
-        t_rec = timed(lambda: recompute(net, data, progress=False), ctx["repeats"], ctx["device"])
-        t_one = timed(single_pass, ctx["repeats"], ctx["device"])
+        t = timed_together({"recompute": lambda: recompute(net, data, progress=False), "one": single_pass},
+                           ctx["repeats"], ctx["device"])
+        t_rec, t_one = t["recompute"], t["one"]
         samples = n_batches * 32
         rows.append({"what": f"recompute_bn_stats (per rank: {n_batches} batches of 32x3x32x32)",
                      "zero_buffers.recompute_bn_stats": t_rec, "single_process_pass": t_one,
@@ -325,12 +338,10 @@ def bench_scaling(ctx: dict) -> list[dict]:
         model = scrambled(lambda: many_buffers(n), ctx["rank"], ctx["device"])
         tensors = list(model.buffers())
         reps = max(3, ctx["repeats"] // (1 + n // 500))
-        rows.append({"buffers": n,
-                     "per_buffer_loop": timed(lambda: per_buffer_loop(tensors, 0), reps, ctx["device"]),
-                     "torch_broadcast_coalesced": timed(lambda: torch_broadcast_coalesced(tensors, 0), reps,
-                                                        ctx["device"]),
-                     "zero_buffers.broadcast_buffers": timed(lambda: zb.broadcast_buffers(model, 0), reps,
-                                                             ctx["device"])})
+        rows.append({"buffers": n, **timed_together(
+            {"per_buffer_loop": lambda: per_buffer_loop(tensors, 0),
+             "torch_broadcast_coalesced": lambda: torch_broadcast_coalesced(tensors, 0),
+             "zero_buffers.broadcast_buffers": lambda: zb.broadcast_buffers(model, 0)}, reps, ctx["device"])})
         check_equal_to_src(model)
         ctx["log"](f"scaling {n} buffers done")
     return rows
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 repeats: correctness only")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)

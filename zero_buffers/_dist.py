@@ -258,15 +258,19 @@ def all_gather_tensor(g: Group, t: torch.Tensor, timeout: Timeout, what: str) ->
 _STRUCTURE_DIGESTS: dict[Any, int] = {}  # structure key -> digest; describing every tensor is the slow part
 
 
-def _structure_digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
-    """64-bit digest of ``call`` and the (name, dtype, shape, device, layout) of every entry, cached per structure."""
-    key = (call, tuple((n, x) if isinstance(x, str) else (n, x.dtype, x.shape, x.device.type, x.layout)
-                       for n, x in entries))
+def structure_key(call: tuple, entries: Sequence[tuple[str, Any]]) -> tuple:
+    """A hashable key of ``call`` and the (name, dtype, shape, device type, layout) of every entry."""
+    return (call, tuple((n, x) if isinstance(x, str) else (n, x.dtype, x.shape, x.device.type, x.layout)
+                        for n, x in entries))
+
+
+def _structure_digest(key: tuple, entries: Sequence[tuple[str, Any]]) -> int:
+    """64-bit digest of a structure (its ``structure_key``), cached per structure."""
     digest = _STRUCTURE_DIGESTS.get(key)
     if digest is None:
         if len(_STRUCTURE_DIGESTS) > 256:
             _STRUCTURE_DIGESTS.clear()
-        digest = _STRUCTURE_DIGESTS[key] = _digest(repr((call, _described(entries))).encode())
+        digest = _STRUCTURE_DIGESTS[key] = _digest(repr((key[0], _described(entries))).encode())
     return digest
 
 
@@ -276,16 +280,16 @@ def _described(entries: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
 
 
 def agree_on_structure(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], timeout: Timeout, what: str,
-                       extra: int | None = None) -> list[int] | None:
+                       extra: int | None = None, key: tuple | None = None) -> list[int] | None:
     """Raise the same BufferStructureError on every rank unless all ranks pass equal ``call`` and ``entries``.
 
     ``entries`` are (name, tensor) pairs (or (name, description)). One all_gather of two int64: the
     structure digest and ``extra``, a 64-bit value every rank contributes (returned in group order;
     buffer_report sends its content digest there). Every caller sends the same shape, so ranks that
     call different functions still meet in this collective and get a clean error. Only on mismatch a
-    second gather of the full structure builds the message.
+    second gather of the full structure builds the message. ``key``: the ``structure_key``, if already made.
     """
-    mine = _structure_digest(call, entries)
+    mine = _structure_digest(structure_key(call, entries) if key is None else key, entries)
     payload = torch.tensor([mine, 0 if extra is None else extra], dtype=torch.int64, device=g.device)
     gathered = [d.tolist() for d in all_gather_tensor(g, payload, timeout, what)]
     if all(d[0] == mine for d in gathered):
@@ -502,25 +506,68 @@ def all_reduce_sum(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> to
     return t
 
 
+def _new_hash() -> Any:
+    """The content hash: SHA-1 (hardware-accelerated on current x86 and ARM CPUs, about 2x blake2b here),
+    used as a checksum for bitwise equality, not for security; digests are its first 64 bits."""
+    return hashlib.sha1(usedforsecurity=False)
+
+
+_IN_PLACE_BYTES = 1 << 16  # CPU tensors this large are hashed where they are; smaller ones are copied together
+
+
+def _in_place(t: torch.Tensor, size: int) -> bool:
+    """Hash this tensor on its own (large, on the host) rather than in its bucket's packed copy; the choice
+    depends on the structure only, so every rank feeds the hash the same byte stream for equal values."""
+    return t.device.type == "cpu" and t.numel() * size >= _IN_PLACE_BYTES
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor in logical order (no copy when it is contiguous)."""
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _host_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
+    """Raw bytes of each tensor on the host, in order: large contiguous CPU tensors in place; the rest of each
+    (device, dtype) bucket flattened and copied to the host once, then sliced."""
+    out: list[Any] = [None] * len(tensors)
+    for (_, dtype), idx in buckets(tensors).items():
+        size = torch.empty((), dtype=dtype).element_size()
+        packed = []
+        for i in idx:
+            if _in_place(tensors[i], size):
+                out[i] = _raw(tensors[i])
+            else:
+                packed.append(i)
+        if packed:
+            raw, offset = _raw(flatten([tensors[i] for i in packed]).cpu()), 0
+            for i in packed:
+                n = tensors[i].numel() * size
+                out[i], offset = raw[offset:offset + n], offset + n
+    return out
+
+
 def combined_digest(tensors: Sequence[torch.Tensor]) -> int:
-    """One 64-bit blake2b digest over the raw bytes of all ``tensors`` (one flatten and one hash per bucket)."""
-    h = hashlib.blake2b(digest_size=8)
-    for _, idx in buckets(tensors).items():
-        h.update(memoryview(flatten([tensors[i] for i in idx]).cpu().view(torch.uint8).numpy()))
-    return int.from_bytes(h.digest(), "little", signed=True)
+    """One 64-bit digest over the raw bytes of all ``tensors`` (per bucket: large ones in place, then the rest
+    packed; a fixed order for a given structure)."""
+    h = _new_hash()
+    for (_, dtype), idx in buckets(tensors).items():
+        size = torch.empty((), dtype=dtype).element_size()
+        packed = []
+        for i in idx:
+            if _in_place(tensors[i], size):
+                h.update(_raw(tensors[i]))
+            else:
+                packed.append(tensors[i])
+        if packed:
+            h.update(_raw(flatten(packed).cpu()))
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
 def content_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 64-bit blake2b digest per tensor over its raw bytes (bitwise equality, NaN payloads included).
-
-    Each (device, dtype) bucket is flattened and copied to the host once; tensors are hashed as slices of it.
-    """
-    out = [0] * len(tensors)
-    for (_, dtype), idx in buckets(tensors).items():
-        raw = memoryview(flatten([tensors[i] for i in idx]).cpu().view(torch.uint8).numpy())
-        size, offset = torch.empty((), dtype=dtype).element_size(), 0
-        for i in idx:
-            n = tensors[i].numel() * size
-            out[i] = _digest(raw[offset:offset + n]) if n else 0
-            offset += n
+    """One 64-bit digest per tensor over its raw bytes (bitwise equality, NaN payloads included); 0 when empty."""
+    out = []
+    for view in _host_views(tensors):
+        h = _new_hash()
+        h.update(view)
+        out.append(int.from_bytes(h.digest()[:8], "little", signed=True) if view.nbytes else 0)
     return torch.tensor(out, dtype=torch.int64)
