@@ -163,3 +163,33 @@ def _single_rank_group_assert(rank, world):
 
 def test_assert_on_a_single_rank_group_is_a_no_op(ranks):
     assert ranks.run(_single_rank_group_assert) == [(False, True, (r,), [], True) for r in range(ranks.world_size)]
+
+
+def _layouts(rank, world, differ):
+    """The same values held as different layouts per rank: conj/neg views, transposes, offsets, large and small."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(128, 128, dtype=torch.complex64, generator=g)  # 128 KiB: hashed in place
+    small = torch.randn(4, 4, generator=g)
+    m = torch.nn.Module()
+    if rank % 2 == 0:
+        m.register_buffer("spectrum", big.conj())  # a lazy conjugate view
+        m.register_buffer("neg", torch._neg_view(big))  # a lazy negative view
+        m.register_buffer("weights", small.t())  # non-contiguous
+        m.register_buffer("window", torch.arange(40000.0)[7:30007])  # storage offset, in place
+    else:
+        m.register_buffer("spectrum", big.conj().resolve_conj())
+        m.register_buffer("neg", -big)
+        m.register_buffer("weights", small.t().contiguous())
+        m.register_buffer("window", torch.arange(7.0, 30007.0))
+    if differ and rank == world - 1:
+        with torch.no_grad():
+            m.window[12345] += 1
+    report = zb.buffer_report(m)
+    return [(r.name, r.in_sync) for r in report.rows]
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_digests_depend_on_values_not_layout(ranks, differ):
+    out = ranks.run(_layouts, differ, timeout=60)
+    want = [("spectrum", True), ("neg", True), ("weights", True), ("window", not differ)]
+    assert out == [want] * ranks.world_size

@@ -221,6 +221,96 @@ def test_failed_buffer_sync_on_exit_commits_nothing(ranks):
         assert buffers_unchanged and params_unchanged
 
 
+def _group_mismatch(rank, world):
+    deepspeed = init_deepspeed()
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    pair = dist.new_group([0, 1])
+    try:
+        zb.GatheredParametersAndBuffers(model, modifier_rank=0, group=pair)
+    except zb.InvalidArgumentError as e:
+        return str(e)
+    return None
+
+
+def test_group_other_than_the_zero_parameters_group_is_refused_at_construction(ranks4):
+    """DeepSpeed broadcasts over the parameters' group: agreeing on failure over a smaller one could deadlock."""
+    out = ranks4.run(_group_mismatch, timeout=120)
+    assert all(e and "group has ranks [0, 1] but the ZeRO parameters' process group has ranks [0, 1, 2, 3]" in e
+               for e in out)
+
+
+def _snapshot_fails_on_one_rank(rank, world):
+    model, before_buffers, before_params = _aligned_zero3_vq(rank)
+    if rank == world - 1:
+        model.bn.register_buffer("broken", torch.empty(2, device="meta"))  # cannot be copied to the host
+    try:
+        with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+            pass
+    except (NotImplementedError, zb.ZeroBuffersError) as e:
+        seen = (type(e).__name__, str(e))
+    else:
+        seen = None
+    if rank == world - 1:
+        del model.bn._buffers["broken"]
+    partitioned = all(p.numel() == 0 for p in model.parameters())  # DeepSpeed never gathered
+    return seen, partitioned, same_state(before_buffers, buffers(model))
+
+
+def test_a_rank_failing_to_take_the_rollback_copy_makes_every_rank_raise_on_enter(ranks):
+    out = ranks.run(_snapshot_fails_on_one_rank, timeout=120)
+    last = ranks.world_size - 1
+    for rank, (seen, partitioned, unchanged) in enumerate(out):
+        assert partitioned and unchanged
+        if rank == last:
+            assert seen[0] == "NotImplementedError"
+        else:
+            assert seen[0] == "ZeroBuffersError" and f"taking the rollback copy failed on rank(s) [{last}]" in seen[1]
+
+
+def _nested_inner_fails(rank, world, outer_kind):
+    deepspeed = init_deepspeed()
+    model, before_buffers, before_params = _aligned_zero3_vq(rank)
+    outer = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if outer_kind == "ours" else \
+        deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+    with outer:
+        try:
+            with zb.GatheredParametersAndBuffers(model, modifier_rank=0):  # parameters held by the outer context
+                if rank == 0:
+                    model.load_state_dict(checkpoint())
+                    raise ValueError("half-loaded")
+        except (ValueError, zb.ZeroBuffersError):
+            pass
+    return same_state(before_buffers, buffers(model)), same_state(before_params, full_params(model))
+
+
+@pytest.mark.parametrize("outer_kind", ["ours", "deepspeed"])
+def test_inner_failure_rolls_back_parameters_an_outer_context_holds(ranks, outer_kind):
+    """The outer context commits afterwards: it must broadcast the values from before, not a half-load."""
+    assert ranks.run(_nested_inner_fails, outer_kind, timeout=120) == [(True, True)] * ranks.world_size
+
+
+def _swapped_data(rank, world):
+    torch.manual_seed(0)
+    model = VQ()  # plain (DDP-style) replica
+    before = {**buffers(model), **{n: p.detach().clone() for n, p in model.named_parameters()}}
+    try:
+        with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+            if rank == 0:
+                model.double()  # swaps .data of every floating parameter and buffer
+                model.bn.running_mean.resize_(2)
+                raise ValueError("wrong file")
+    except (ValueError, zb.ZeroBuffersError):
+        pass
+    after = {**buffers(model), **{n: p.detach().clone() for n, p in model.named_parameters()}}
+    return same_state(before, after), {n: t.dtype for n, t in after.items()}
+
+
+def test_rollback_restores_dtype_shape_and_values(ranks2):
+    for unchanged, dtypes in ranks2.run(_swapped_data, timeout=60):
+        assert unchanged and dtypes["proj.weight"] == torch.float32 and dtypes["bn.num_batches_tracked"] == torch.int64
+
+
 def _targets(rank, world, kind):
     deepspeed = init_deepspeed()
     torch.manual_seed(rank)
@@ -280,6 +370,9 @@ def test_bad_targets_and_ranks_are_typed_errors():
     assert not zb.installed()
     with pytest.raises(zb.InvalidSourceRankError, match="zero_buffers.Init\(\): src must be"):
         zb.Init(src=-1)
+    import numpy as np
+    for rank in (np.int64(0), torch.tensor(0)):  # what DeepSpeed itself accepts as a rank
+        assert zb.GatheredParametersAndBuffers(VQ(), modifier_rank=rank).modifier_rank == 0
 
 
 def _init(rank, world, ours, nested, dtype):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import math
+import operator
 import os
 import pickle
 import re
@@ -81,13 +82,19 @@ def resolve_group(group: Any = None) -> Group | None:
     return Group(pg=group, rank=dist.get_rank(), ranks=ranks, backend=str(dist.get_backend(pg)))
 
 
-def check_rank_arg(value: Any, name: str, fn: str, *, optional: bool = False) -> None:
-    """Raise InvalidSourceRankError unless ``value`` is a non-negative int (or None when ``optional``): at call time."""
+def check_rank_arg(value: Any, name: str, fn: str, *, optional: bool = False) -> int | None:
+    """``value`` as a non-negative int rank (ints, NumPy ints, 0-dim integer tensors; None when ``optional``),
+    else InvalidSourceRankError: at call time."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    try:
+        rank = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        rank = None
+    if rank is None or rank < 0:
         raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank{' or None' if optional else ''}, "
                                      f"got {value!r:.40}")
+    return rank
 
 
 def check_src(g: Group | None, src: int) -> None:
@@ -476,16 +483,21 @@ def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Tim
     return result
 
 
-def require_body_succeeded(g: Group, failed: bool, timeout: Timeout, what: str, skipped: str) -> None:
-    """One all_gather of a flag; if a context's body raised on any rank, every rank raises ZeroBuffersError.
+def require_body_succeeded(g: Group, failed: int, timeout: Timeout, what: str, skipped: str,
+                           steps: tuple[str, ...] = ("the body raised",)) -> None:
+    """One all_gather of a code; if a step failed on any rank, every rank raises the same ZeroBuffersError.
 
-    So every rank takes the same branch: no rank broadcasts while a peer has left. ``skipped`` says
-    what was therefore not done.
+    ``failed`` is 0 (fine) or k >= 1: ``steps[k - 1]`` failed here (True means the first). So every rank
+    takes the same branch: no rank broadcasts while a peer has left. ``skipped`` says what was not done.
     """
-    flags = all_gather_tensor(g, torch.tensor([int(failed)], dtype=torch.int64, device=g.device), timeout, what)
-    bad = [r for r, f in zip(g.ranks, flags) if int(f.item())]
-    if bad:
-        raise ZeroBuffersError(f"{what}: the body raised on rank(s) {bad}; {skipped} (rank {g.rank})")
+    codes = all_gather_tensor(g, torch.tensor([int(failed)], dtype=torch.int64, device=g.device), timeout, what)
+    by_step: dict[int, list[int]] = {}
+    for r, c in zip(g.ranks, codes):
+        if int(c.item()):
+            by_step.setdefault(int(c.item()), []).append(r)
+    if by_step:
+        failures = "; ".join(f"{steps[k - 1]} on rank(s) {ranks}" for k, ranks in sorted(by_step.items()))
+        raise ZeroBuffersError(f"{what}: {failures}; {skipped} (rank {g.rank})")
 
 
 def as_module(modules: Sequence[nn.Module], params: Sequence[torch.Tensor] = ()) -> nn.Module:
@@ -522,8 +534,8 @@ def _in_place(t: torch.Tensor, size: int) -> bool:
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor in logical order (no copy when it is contiguous)."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    """The raw bytes of a CPU tensor in logical order (no copy when it is contiguous and not a conj/neg view)."""
+    return memoryview(t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _host_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:

@@ -173,7 +173,7 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
         accelerator.save_state("ckpt")                               # BatchNorm stats of all ranks
     """
     _check_policy(policy, data, "sync_buffers_on_save")
-    _dist.check_rank_arg(src, "src", "sync_buffers_on_save")  # now, not at the first save
+    src = _dist.check_rank_arg(src, "src", "sync_buffers_on_save")  # now, not at the first save
     _dist.check_timeout(timeout, "sync_buffers_on_save")
     if getattr(target, "_zero_buffers_save_hook", None) is not None:
         raise InvalidArgumentError(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from . import _dist
 from .broadcast import broadcast_buffers
@@ -61,17 +62,58 @@ def _discard_updates(ds_ctx: Any) -> None:
                       "discard the body's updates; its parameters are broadcast from the modifier rank", stacklevel=3)
 
 
-def _snapshot(box: nn.Module) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
-    """(owner dict, key, tensor, copy) for every buffer and plain parameter: what a rollback restores."""
-    out, seen = [], set()
-    for mod in box.modules():
-        for table in (mod._buffers, mod._parameters):
-            for key, t in table.items():
-                if t is None or id(t) in seen or hasattr(t, "ds_id"):
-                    continue
-                seen.add(id(t))
-                out.append((table, key, t, t.detach().clone()))
+def _deepspeed_would_refuse(ds_ctx: Any) -> str | None:
+    """Why DeepSpeed's exit would raise on this rank before broadcasting (a parameter left the accelerator), or None.
+
+    Mirrors the device check of GatheredParameters._exit (deepspeed 0.19); unknown versions: None.
+    """
+    params = getattr(ds_ctx, "params", None)
+    if not params:
+        return None
+    from deepspeed.accelerator import get_accelerator
+
+    expected = torch.device(get_accelerator().current_device_name())
+    moved = [p for p in params if p.data.device != expected]
+    if not moved:
+        return None
+    return (f"{len(moved)} ZeRO parameter(s) were moved to {moved[0].data.device} in the body, but DeepSpeed "
+            f"broadcasts them on {expected}")
+
+
+_Saved = tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]  # (owner dict or None, key, tensor, data, copy)
+
+
+def _snapshot(box: nn.Module | None, held: list[torch.Tensor]) -> list[_Saved]:
+    """Host copies of every buffer and plain parameter of ``box`` and of the ``held`` ZeRO parameters (gathered
+    by an outer context): what a rollback restores, with the original data tensor (dtype, device, shape)."""
+    out: list[_Saved] = []
+    seen: set[int] = set()
+    tables = [] if box is None else [(t, k) for m in box.modules() for t in (m._buffers, m._parameters) for k in t]
+    items = [(table, key, table[key]) for table, key in tables] + [(None, "", p) for p in held]
+    for table, key, t in items:
+        if t is None or id(t) in seen or is_lazy(t) or (table is not None and hasattr(t, "ds_id")):
+            continue
+        seen.add(id(t))
+        data = t.data
+        out.append((table, key, t, data, data.to("cpu", copy=True)))
     return out
+
+
+def _restore(saved: list[_Saved]) -> list[str]:
+    """Put back every saved tensor: the same object, its original data tensor, the saved values. Returns problems."""
+    problems = []
+    for table, key, t, data, copy in saved:
+        try:
+            if table is not None:
+                table[key] = t  # the body may have registered another tensor under this name
+            t.data = data  # the body may have swapped .data (another dtype, device or shape)
+            if data.shape == copy.shape:
+                data.copy_(copy)
+            else:  # resized in place
+                t.data = copy.to(data.device)
+        except Exception as e:  # noqa: BLE001 - keep restoring the others; reported together
+            problems.append(f"{key or 'a ZeRO parameter'}: {type(e).__name__}: {e}")
+    return problems
 
 
 class GatheredParametersAndBuffers:
@@ -88,19 +130,24 @@ class GatheredParametersAndBuffers:
       and :class:`BuffersOutOfSyncError` is raised on every rank naming them; ``check_buffers=False``
       opts out. Nothing is modified.
 
-    All or nothing with ``modifier_rank=r``: if the body raised on any rank, or the buffer sync fails
-    (structure mismatch, timeout), nothing is committed. ZeRO parameters are re-partitioned without
-    DeepSpeed's broadcast (each shard keeps its value from before the context) and buffers and plain
-    parameters are restored from a copy taken on enter, on every rank; every rank raises (the body's
-    own exception where it raised, :class:`ZeroBuffersError` elsewhere). DeepSpeed's own context
-    broadcasts whatever the modifier rank holds even then, leaving a half-loaded model. The copy
-    costs the size of the modules' buffers and plain parameters (small under ZeRO-3, whose parameters
-    need none); for a large plain (DDP) model pass ``snapshot=False``: a failure then still commits
-    no ZeRO parameter and broadcasts nothing, but buffers and plain parameters stay as the body left
-    them on each rank.
+    All or nothing with ``modifier_rank=r``: if the body raised on any rank, a ZeRO parameter left its
+    device (DeepSpeed would refuse to broadcast it), or the buffer sync fails (structure mismatch),
+    nothing is committed on any rank: ZeRO parameters are re-partitioned without DeepSpeed's broadcast
+    (each shard keeps its value from before the context); buffers, plain parameters and ZeRO
+    parameters an outer context holds get back their values (and dtype, device, shape) from a host
+    copy taken on enter; every rank raises (the body's own exception where it raised,
+    :class:`ZeroBuffersError` elsewhere). DeepSpeed's own context broadcasts whatever the modifier
+    rank holds even then, leaving a half-loaded model. The copy costs host memory the size of those
+    tensors (ZeRO-3 parameters gathered here need none) and one small collective on enter, so that a
+    rank failing to take it makes every rank raise; ``snapshot=False`` skips it (for a large plain DDP
+    model): a failure then still commits no ZeRO parameter and broadcasts nothing, but the rest stays
+    as the body left it on each rank. Not atomic across ranks: a peer dying or timing out in the
+    middle of the final broadcasts (the process group is unusable then anyway).
 
-    Works without DeepSpeed and with plain (DDP) models: there is nothing to gather, buffers are still
-    handled. DeepSpeed's context is always exited.
+    ``group`` must hold the same ranks as the ZeRO parameters' data-parallel group (DeepSpeed
+    broadcasts over that one); otherwise :class:`InvalidArgumentError` at construction. Works without
+    DeepSpeed and with plain (DDP) models: there is nothing to gather, buffers are still handled.
+    DeepSpeed's context is always exited.
 
     Example::
 
@@ -116,16 +163,32 @@ class GatheredParametersAndBuffers:
         self.enabled = enabled
         if not enabled:
             return
-        _dist.check_rank_arg(modifier_rank, "modifier_rank", "GatheredParametersAndBuffers", optional=True)
+        self.modifier_rank = _dist.check_rank_arg(modifier_rank, "modifier_rank", "GatheredParametersAndBuffers",
+                                                  optional=True)
         modules, loose = _split(target)
-        params = loose + [p for m in modules for p in m.parameters()]
-        self.modifier_rank = modifier_rank
+        self._params = loose + [p for m in modules for p in m.parameters()]
+        self.fwd_module = fwd_module
         self.check_buffers, self.atol, self.group, self.snapshot = check_buffers, atol, group, snapshot
         self.timeout = _dist.check_timeout(timeout, "GatheredParametersAndBuffers")
         plain = [p for p in loose if not hasattr(p, "ds_id")]
         self._box = _dist.as_module(modules, plain) if modules or plain else None
-        self._ds = _gathered_parameters(params, modifier_rank, fwd_module)
-        self._saved: list[tuple[dict, str, torch.Tensor, torch.Tensor]] = []
+        self._check_group()
+        self._ds: Any = None
+        self._saved: list[_Saved] = []
+
+    def _check_group(self) -> None:
+        """``group`` must have the ranks of every ZeRO parameter's process group (no collective: same on all ranks)."""
+        if self.modifier_rank is None or not (dist.is_available() and dist.is_initialized()):
+            return
+        pgs = {id(p.ds_process_group): p.ds_process_group for p in self._params if hasattr(p, "ds_process_group")}
+        ours = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
+        for pg in pgs.values():
+            theirs = dist.get_process_group_ranks(pg)
+            if sorted(theirs) != sorted(ours):
+                raise InvalidArgumentError(
+                    f"GatheredParametersAndBuffers: group has ranks {sorted(ours)} but the ZeRO parameters' "
+                    f"process group has ranks {sorted(theirs)}; DeepSpeed broadcasts over the latter, so pass that "
+                    "group (or none for the world)")
 
     def _src(self) -> int:
         """``modifier_rank`` as a global rank."""
@@ -138,12 +201,33 @@ class GatheredParametersAndBuffers:
             return self
         if self._box is not None and self.modifier_rank is None and self.check_buffers:
             assert_buffers_in_sync(self._box, group=self.group, atol=self.atol, timeout=self.timeout)
-        if self._box is not None and self.modifier_rank is not None and self.snapshot:
-            with torch.no_grad():
-                self._saved = _snapshot(self._box)
+        if self.modifier_rank is not None and self.snapshot:
+            self._take_snapshot()
+        self._ds = _gathered_parameters(self._params, self.modifier_rank, self.fwd_module)
         if self._ds is not None:
             self._ds.__enter__()
         return self
+
+    def _take_snapshot(self) -> None:
+        """The rollback copy; if it fails on any rank (out of memory, say), every rank raises before gathering."""
+        held = [p for p in self._params if hasattr(p, "ds_id") and getattr(p, _DEPTH_ATTR, 0) > 0]
+        error = None
+        try:
+            with torch.no_grad():
+                self._saved = _snapshot(self._box, held)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+            error = e
+        g = _dist.resolve_group(self.group)
+        try:
+            if g is not None:
+                _dist.require_body_succeeded(g, error is not None, self.timeout, "GatheredParametersAndBuffers",
+                                             "nothing was gathered", steps=("taking the rollback copy failed",))
+        except ZeroBuffersError:
+            if error is None:
+                raise
+        if error is not None:
+            self._saved = []
+            raise error
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if not self.enabled:
@@ -164,26 +248,36 @@ class GatheredParametersAndBuffers:
                 self._saved = []
                 if self._ds is not None:
                     self._ds.__exit__(exc_type, exc, tb)
+                    self._ds = None
         return False
 
     def _commit(self, failed: bool) -> None:
-        """Unless some rank's body raised (then every rank raises), broadcast buffers and plain parameters."""
+        """Unless a body raised or DeepSpeed would refuse on some rank (then every rank raises), broadcast buffers
+        and plain parameters; DeepSpeed's exit then broadcasts the ZeRO parameters."""
+        refusal = None if failed or self._ds is None else _deepspeed_would_refuse(self._ds)
         g = _dist.resolve_group(self.group)
         if g is None:
-            if failed:
-                raise ZeroBuffersError("GatheredParametersAndBuffers: the body raised; nothing was committed")
+            if failed or refusal:
+                raise ZeroBuffersError(f"GatheredParametersAndBuffers: {refusal or 'the body raised'}; nothing was "
+                                       "committed")
             return
-        _dist.require_body_succeeded(g, failed, self.timeout, "GatheredParametersAndBuffers",
-                                     "nothing was committed: parameters and buffers are as before the context")
+        try:
+            _dist.require_body_succeeded(g, 1 if failed else 2 if refusal else 0, self.timeout,
+                                         "GatheredParametersAndBuffers",
+                                         "nothing was committed: parameters and buffers are as before the context",
+                                         steps=("the body raised", "DeepSpeed would refuse to broadcast"))
+        except ZeroBuffersError as e:
+            raise ZeroBuffersError(f"{e}. Here: {refusal}") if refusal else e
         if self._box is not None:
             broadcast_buffers(self._box, src=self._src(), group=self.group, include_parameters=True,
                               timeout=self.timeout)
 
     def _roll_back(self) -> None:
-        """Discard the body's updates: DeepSpeed re-partitions without broadcasting; buffers get their copies back."""
+        """Discard the body's updates: DeepSpeed re-partitions without broadcasting; the rest get their copies back."""
         if self._ds is not None:
             _discard_updates(self._ds)
         with torch.no_grad():
-            for table, key, t, saved in self._saved:
-                table[key] = t
-                t.copy_(saved)
+            problems = _restore(self._saved)
+        if problems:
+            warnings.warn("GatheredParametersAndBuffers: could not restore " + "; ".join(problems), RuntimeWarning,
+                          stacklevel=3)

@@ -107,7 +107,7 @@ class Init:
 
     def __init__(self, *args: Any, src: int = 0, timeout: _dist.Timeout = None, **kwargs: Any):
         pp = _partition_parameters()
-        _dist.check_rank_arg(src, "src", "zero_buffers.Init")
+        src = _dist.check_rank_arg(src, "src", "zero_buffers.Init")
         timeout = _dist.check_timeout(timeout, "zero_buffers.Init")
         self._ds = pp.Init(*args, **kwargs)
         self._src, self._timeout = src, timeout
@@ -192,7 +192,7 @@ def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
         model = AutoModel.from_pretrained(path)   # under ZeRO-3: buffers now agree on every rank
     """
     pp = _partition_parameters()
-    _dist.check_rank_arg(src, "src", "install")
+    src = _dist.check_rank_arg(src, "src", "install")
     timeout = _dist.check_timeout(timeout, "install")
     if _originals:
         return _Installed(owner=False)
