@@ -189,3 +189,48 @@ def test_four_ranks_no_survivor_is_half_written(ranks4):
             assert err[0] == "CollectiveError" and unchanged, (rank, err)
         assert elapsed < 10.0 + SLACK
     assert out[0][2]  # the source never changes its own buffers
+
+
+def _gathered_noop(m: nn.Module, src: int, t: float | None) -> None:
+    with zb.GatheredParametersAndBuffers(m, modifier_rank=src, timeout=t):
+        pass
+
+
+# The entry points built on the core: each must turn a peer's death or stall into CollectiveError and change nothing.
+BUILT_ON_THE_CORE = {
+    "sync_buffers(average)": lambda m, src, t: zb.sync_buffers(m, "average", src=src, timeout=t),
+    "sync_buffers(check)": lambda m, src, t: zb.sync_buffers(m, "check", timeout=t),
+    "frozen_replica": lambda m, src, t: zb.frozen_replica(m, src=src, timeout=t),
+    "GatheredParametersAndBuffers": _gathered_noop,
+}
+
+
+def _built_on_core_fault(rank, world, fn, how, at, timeout):
+    model = _model(rank)
+    before = {**_snapshot(model), **{n: p.detach().clone() for n, p in model.named_parameters()}}
+    if rank == 1:
+        _inject(how, at)
+    started = time.monotonic()
+    try:
+        BUILT_ON_THE_CORE[fn](model, 0, timeout)
+        err = None
+    except zb.ZeroBuffersError as e:
+        err = (type(e).__name__, str(e))
+    after = {**_snapshot(model), **{n: p.detach().clone() for n, p in model.named_parameters()}}
+    return err, time.monotonic() - started, _same(before, after), type(model).__name__
+
+
+@pytest.mark.parametrize("how", ["die", "stall"])
+@pytest.mark.parametrize("fn", list(BUILT_ON_THE_CORE))
+def test_functions_built_on_the_core_fail_cleanly_when_a_peer_fails(ranks2, fn, how):
+    # at=2: the peer goes away after the first collective (a structure check or an agreement on enter)
+    out = ranks2.run(_built_on_core_fault, fn, how, 2, 2.0, allow_dead=[1], timeout=60)
+    assert out[1] is None
+    err, elapsed, unchanged, cls = out[0]
+    assert err is not None and err[0] == "CollectiveError", err
+    assert unchanged and cls == "Mixed", (fn, cls)  # values, parameters and the class itself as before
+    assert elapsed < 2.0 + SLACK, elapsed
+    if how == "stall":
+        assert "did not complete within timeout=2 s" in err[1] and elapsed >= 2.0, (err, elapsed)
+    else:
+        assert re.search(PEER_GONE, err[1]), err
