@@ -27,6 +27,7 @@ WRAPPED = ("all_gather", "broadcast", "all_reduce")
 # "Broken pipe"; its messages also say "remote worker".
 PEER_GONE = r"by peer|Broken pipe|remote worker"
 SLACK = 8.0  # seconds of scheduling slack on 2 shared cores; the timeouts themselves are 2 s
+EARLY = 0.05  # c10d's wait timer may fire a fraction of a millisecond before the 2 s (seen: 1.99989 s)
 
 
 class Mixed(nn.Module):
@@ -151,14 +152,14 @@ def test_stalled_peer_after_the_structure_check_times_out_and_changes_nothing(ra
     out = ranks2.run(_rank_fault, fn, 1, "stall", 2, 2.0, 1, allow_dead=[1], timeout=60)
     for err, elapsed, *_ in _check_survivors(out, fn, 1):
         assert "did not complete within timeout=2 s" in err[1], err[1]
-        assert 2.0 <= elapsed < 2.0 + SLACK, elapsed  # it waited for the timeout, and not much longer
+        assert 2.0 - EARLY <= elapsed < 2.0 + SLACK, elapsed  # it waited for the timeout, and not much longer
 
 
 def test_peer_that_never_calls_times_out_in_the_structure_check(ranks2):
     # the structure check is shared code: one function stands for all four here
     out = ranks2.run(_rank_fault, "broadcast_buffers", 1, "stall", 1, 2.0, 0, allow_dead=[1], timeout=60)
     for err, elapsed, *_ in _check_survivors(out, "broadcast_buffers", 1):
-        assert "did not complete within timeout=2 s" in err[1] and 2.0 <= elapsed < 2.0 + SLACK, (err, elapsed)
+        assert "did not complete within timeout=2 s" in err[1] and 2.0 - EARLY <= elapsed < 2.0 + SLACK, (err, elapsed)
 
 
 @pytest.mark.parametrize("how", ["die", "stall"])
@@ -231,6 +232,6 @@ def test_functions_built_on_the_core_fail_cleanly_when_a_peer_fails(ranks2, fn, 
     assert unchanged and cls == "Mixed", (fn, cls)  # values, parameters and the class itself as before
     assert elapsed < 2.0 + SLACK, elapsed
     if how == "stall":
-        assert "did not complete within timeout=2 s" in err[1] and elapsed >= 2.0, (err, elapsed)
+        assert "did not complete within timeout=2 s" in err[1] and elapsed >= 2.0 - EARLY, (err, elapsed)
     else:
         assert re.search(PEER_GONE, err[1]), err

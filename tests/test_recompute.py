@@ -257,7 +257,7 @@ def test_a_peer_stalling_in_the_failure_message_exchange_is_bounded_by_timeout(r
     caught, elapsed, same = out[0]
     assert caught is not None and caught[1] == (1,), caught
     assert "failed on rank 1 (no message)" in caught[0] and "No buffer was modified" in caught[0], caught[0]
-    assert 2.0 <= elapsed < 2.0 + 8.0, elapsed  # the timeout, plus scheduling slack on 2 shared cores
+    assert 1.95 <= elapsed < 2.0 + 8.0, elapsed  # the timeout (c10d may fire <1 ms early), plus slack
     assert same
 
 
