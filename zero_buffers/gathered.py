@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch.nn.parameter import is_lazy
 
 from . import _dist
 from .broadcast import broadcast_buffers
-from .errors import InvalidArgumentError, ZeroBuffersError
+from .errors import InvalidArgumentError, InvalidSourceRankError, ZeroBuffersError
 from .report import assert_buffers_in_sync
 
 _DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # deepspeed.runtime.zero.partition_parameters
@@ -80,39 +81,52 @@ def _deepspeed_would_refuse(ds_ctx: Any) -> str | None:
             f"broadcasts them on {expected}")
 
 
-_Saved = tuple[Any, str, torch.Tensor, torch.Tensor, torch.Tensor]  # (owner dict or None, key, tensor, data, copy)
+@dataclass
+class _Snapshot:
+    """What a rollback puts back: every (table, key) -> tensor registration, and per tensor its data and a host copy
+    (copy None: only ``.data`` is restored, for meta tensors)."""
+
+    slots: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    values: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
 
-def _snapshot(box: nn.Module | None, held: list[torch.Tensor]) -> list[_Saved]:
-    """Host copies of every buffer and plain parameter of ``box`` and of the ``held`` ZeRO parameters (gathered
-    by an outer context): what a rollback restores, with the original data tensor (dtype, device, shape)."""
-    out: list[_Saved] = []
+def _snapshot(box: nn.Module | None, held: list[torch.Tensor]) -> _Snapshot:
+    """Registrations of every buffer and parameter of ``box``; host copies of its buffers and plain parameters and
+    of the ``held`` ZeRO parameters (gathered by an outer context). Other ZeRO parameters need no copy:
+    DeepSpeed keeps their shards."""
+    snap = _Snapshot()
+    if box is not None:
+        snap.slots = [(table, key, t) for m in box.modules() for table in (m._buffers, m._parameters)
+                      for key, t in table.items() if t is not None]
+    held_ids = {id(p) for p in held}
     seen: set[int] = set()
-    tables = [] if box is None else [(t, k) for m in box.modules() for t in (m._buffers, m._parameters) for k in t]
-    items = [(table, key, table[key]) for table, key in tables] + [(None, "", p) for p in held]
-    for table, key, t in items:
-        if t is None or id(t) in seen or is_lazy(t) or (table is not None and hasattr(t, "ds_id")):
+    for t in [t for _, _, t in snap.slots] + held:
+        if id(t) in seen or is_lazy(t) or (hasattr(t, "ds_id") and id(t) not in held_ids):
             continue
         seen.add(id(t))
         data = t.data
-        out.append((table, key, t, data, data.to("cpu", copy=True)))
-    return out
+        snap.values.append((t, data, None if data.is_meta else data.to("cpu", copy=True)))
+    return snap
 
 
-def _restore(saved: list[_Saved]) -> list[str]:
-    """Put back every saved tensor: the same object, its original data tensor, the saved values. Returns problems."""
+def _restore(snap: _Snapshot, gathered: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """Put back registrations, original data tensors (dtype, device, shape) and values. Returns the problems."""
     problems = []
-    for table, key, t, data, copy in saved:
+    for table, key, t in snap.slots:
+        table[key] = t  # the body may have registered another tensor under this name (load_state_dict(assign=True))
+    for t, data in gathered:  # ZeRO parameters gathered here: their own data tensor back before DeepSpeed frees it
+        t.data = data
+    for t, data, copy in snap.values:
         try:
-            if table is not None:
-                table[key] = t  # the body may have registered another tensor under this name
             t.data = data  # the body may have swapped .data (another dtype, device or shape)
+            if copy is None:
+                continue
             if data.shape == copy.shape:
                 data.copy_(copy)
             else:  # resized in place
                 t.data = copy.to(data.device)
         except Exception as e:  # noqa: BLE001 - keep restoring the others; reported together
-            problems.append(f"{key or 'a ZeRO parameter'}: {type(e).__name__}: {e}")
+            problems.append(f"{type(e).__name__}: {e}")
     return problems
 
 
@@ -135,7 +149,8 @@ class GatheredParametersAndBuffers:
     nothing is committed on any rank: ZeRO parameters are re-partitioned without DeepSpeed's broadcast
     (each shard keeps its value from before the context); buffers, plain parameters and ZeRO
     parameters an outer context holds get back their values (and dtype, device, shape) from a host
-    copy taken on enter; every rank raises (the body's own exception where it raised,
+    copy taken on enter, and every module slot its original tensor (after ``load_state_dict(assign=True)``,
+    say; names the body newly registered stay); every rank raises (the body's own exception where it raised,
     :class:`ZeroBuffersError` elsewhere). DeepSpeed's own context broadcasts whatever the modifier
     rank holds even then, leaving a half-loaded model. The copy costs host memory the size of those
     tensors (ZeRO-3 parameters gathered here need none) and one small collective on enter, so that a
@@ -144,8 +159,9 @@ class GatheredParametersAndBuffers:
     as the body left it on each rank. Not atomic across ranks: a peer dying or timing out in the
     middle of the final broadcasts (the process group is unusable then anyway).
 
-    ``group`` must hold the same ranks as the ZeRO parameters' data-parallel group (DeepSpeed
-    broadcasts over that one); otherwise :class:`InvalidArgumentError` at construction. Works without
+    With ``modifier_rank``, ``group`` must cover the ZeRO parameters' process groups (DeepSpeed
+    broadcasts over those) and hold ``modifier_rank``; otherwise :class:`InvalidArgumentError` /
+    :class:`InvalidSourceRankError` at construction, on every rank. Works without
     DeepSpeed and with plain (DDP) models: there is nothing to gather, buffers are still handled.
     DeepSpeed's context is always exited.
 
@@ -174,21 +190,35 @@ class GatheredParametersAndBuffers:
         self._box = _dist.as_module(modules, plain) if modules or plain else None
         self._check_group()
         self._ds: Any = None
-        self._saved: list[_Saved] = []
+        self._saved = _Snapshot()
+        self._gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _check_group(self) -> None:
-        """``group`` must have the ranks of every ZeRO parameter's process group (no collective: same on all ranks)."""
-        if self.modifier_rank is None or not (dist.is_available() and dist.is_initialized()):
+        """With ``modifier_rank``: ``group`` must cover every ZeRO parameter's process group (DeepSpeed broadcasts
+        over those, after ranks agree over ``group``) and hold ``modifier_rank``. No collective: same on all ranks."""
+        if self.modifier_rank is None:
             return
-        pgs = {id(p.ds_process_group): p.ds_process_group for p in self._params if hasattr(p, "ds_process_group")}
-        ours = dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD)
-        for pg in pgs.values():
-            theirs = dist.get_process_group_ranks(pg)
-            if sorted(theirs) != sorted(ours):
-                raise InvalidArgumentError(
-                    f"GatheredParametersAndBuffers: group has ranks {sorted(ours)} but the ZeRO parameters' "
-                    f"process group has ranks {sorted(theirs)}; DeepSpeed broadcasts over the latter, so pass that "
-                    "group (or none for the world)")
+        g = _dist.resolve_group(self.group)
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        me = dist.get_rank()
+        zero_ranks: set[int] = set()
+        for pg in {id(p.ds_process_group): p.ds_process_group for p in self._params
+                   if hasattr(p, "ds_process_group")}.values():
+            zero_ranks.update(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD))
+        ours = set(g.ranks) if g is not None else {me} if _dist.is_member(self.group) else set()
+        if zero_ranks and not zero_ranks <= ours:
+            raise InvalidArgumentError(
+                f"GatheredParametersAndBuffers: group has ranks {sorted(ours)} (as seen on rank {me}) but the ZeRO "
+                f"parameters' process groups span ranks {sorted(zero_ranks)}; DeepSpeed broadcasts over those, so "
+                "pass a group that covers them (or none for the world)")
+        if g is not None:
+            try:
+                src = self._src()
+            except (ValueError, RuntimeError) as e:
+                raise InvalidSourceRankError(f"GatheredParametersAndBuffers: modifier_rank={self.modifier_rank} is not "
+                                             f"a rank of the group (ranks {list(g.ranks)}): {e}") from e
+            _dist.check_src(g, src)
 
     def _src(self) -> int:
         """``modifier_rank`` as a global rank."""
@@ -206,6 +236,8 @@ class GatheredParametersAndBuffers:
         self._ds = _gathered_parameters(self._params, self.modifier_rank, self.fwd_module)
         if self._ds is not None:
             self._ds.__enter__()
+            if self.modifier_rank is not None:  # references only: a rollback gives each its gathered data back
+                self._gathered = [(p, p.data) for p in getattr(self._ds, "params", ())]
         return self
 
     def _take_snapshot(self) -> None:
@@ -226,7 +258,7 @@ class GatheredParametersAndBuffers:
             if error is None:
                 raise
         if error is not None:
-            self._saved = []
+            self._saved = _Snapshot()
             raise error
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -245,7 +277,7 @@ class GatheredParametersAndBuffers:
                 if not committed:
                     self._roll_back()
             finally:
-                self._saved = []
+                self._saved, self._gathered = _Snapshot(), []
                 if self._ds is not None:
                     self._ds.__exit__(exc_type, exc, tb)
                     self._ds = None
@@ -274,10 +306,10 @@ class GatheredParametersAndBuffers:
 
     def _roll_back(self) -> None:
         """Discard the body's updates: DeepSpeed re-partitions without broadcasting; the rest get their copies back."""
+        with torch.no_grad():
+            problems = _restore(self._saved, self._gathered)
         if self._ds is not None:
             _discard_updates(self._ds)
-        with torch.no_grad():
-            problems = _restore(self._saved)
         if problems:
             warnings.warn("GatheredParametersAndBuffers: could not restore " + "; ".join(problems), RuntimeWarning,
                           stacklevel=3)
