@@ -209,8 +209,7 @@ def _structure_fails_on_exit(rank, world):
         seen = str(e)
     else:
         seen = None
-    if rank == world - 1:
-        del model.bn._buffers["extra"]
+    # the buffer the body registered is gone again: before_buffers has no "bn.extra"
     return seen, same_state(before_buffers, buffers(model)), same_state(before_params, full_params(model))
 
 
@@ -321,13 +320,16 @@ def _registrations_and_dtypes(rank, world, how):
             if rank == 0:
                 if how == "assign":
                     model.load_state_dict(checkpoint(), assign=True)  # new Parameter objects replace ZeRO's
+                    model.add_module("head", nn.Linear(4, 2))  # and the body adds a submodule and a buffer
+                    model.register_buffer("scale", torch.ones(1), persistent=False)
                 else:
                     model.proj.weight.data = model.proj.weight.data.double()  # a gathered ZeRO parameter
             if rank == world - 1:
                 raise ValueError("bad file")
     except (ValueError, zb.ZeroBuffersError):
         pass
-    return (model.proj.weight is original, hasattr(model.proj.weight, "ds_id"), model.proj.weight.dtype,
+    added = hasattr(model, "head") or hasattr(model, "scale") or "scale" in model._non_persistent_buffers_set
+    return (model.proj.weight is original and not added, hasattr(model.proj.weight, "ds_id"), model.proj.weight.dtype,
             same_state(before_buffers, buffers(model)), same_state(before_params, full_params(model)))
 
 

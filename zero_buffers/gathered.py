@@ -81,26 +81,30 @@ def _deepspeed_would_refuse(ds_ctx: Any) -> str | None:
             f"broadcasts them on {expected}")
 
 
+_TABLES = ("_buffers", "_parameters", "_modules")
+
+
 @dataclass
 class _Snapshot:
-    """What a rollback puts back: every (table, key) -> tensor registration, and per tensor its data and a host copy
-    (copy None: only ``.data`` is restored, for meta tensors)."""
+    """What a rollback puts back: each module's registration tables as they were (buffers, parameters, submodules,
+    the non-persistent set), and per tensor its data and a host copy (None: only ``.data`` is restored, for meta)."""
 
-    slots: list[tuple[dict, str, torch.Tensor]] = field(default_factory=list)
+    tables: list[tuple[nn.Module, list[dict], set[str]]] = field(default_factory=list)
     values: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
 
 def _snapshot(box: nn.Module | None, held: list[torch.Tensor]) -> _Snapshot:
-    """Registrations of every buffer and parameter of ``box``; host copies of its buffers and plain parameters and
-    of the ``held`` ZeRO parameters (gathered by an outer context). Other ZeRO parameters need no copy:
-    DeepSpeed keeps their shards."""
+    """Registrations of every module of ``box``; host copies of its buffers and plain parameters and of the
+    ``held`` ZeRO parameters (gathered by an outer context). Other ZeRO parameters need no copy: DeepSpeed keeps
+    their shards."""
     snap = _Snapshot()
     if box is not None:
-        snap.slots = [(table, key, t) for m in box.modules() for table in (m._buffers, m._parameters)
-                      for key, t in table.items() if t is not None]
+        snap.tables = [(m, [dict(getattr(m, name)) for name in _TABLES], set(m._non_persistent_buffers_set))
+                       for m in box.modules()]
+    tensors = [t for _, saved, _ in snap.tables for table in saved[:2] for t in table.values() if t is not None]
     held_ids = {id(p) for p in held}
     seen: set[int] = set()
-    for t in [t for _, _, t in snap.slots] + held:
+    for t in tensors + held:
         if id(t) in seen or is_lazy(t) or (hasattr(t, "ds_id") and id(t) not in held_ids):
             continue
         seen.add(id(t))
@@ -112,8 +116,13 @@ def _snapshot(box: nn.Module | None, held: list[torch.Tensor]) -> _Snapshot:
 def _restore(snap: _Snapshot, gathered: list[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
     """Put back registrations, original data tensors (dtype, device, shape) and values. Returns the problems."""
     problems = []
-    for table, key, t in snap.slots:
-        table[key] = t  # the body may have registered another tensor under this name (load_state_dict(assign=True))
+    for module, saved, transient in snap.tables:  # undoes load_state_dict(assign=True), new names, new submodules
+        for name, table in zip(_TABLES, saved):
+            live = getattr(module, name)
+            live.clear()
+            live.update(table)
+        module._non_persistent_buffers_set.clear()
+        module._non_persistent_buffers_set.update(transient)
     for t, data in gathered:  # ZeRO parameters gathered here: their own data tensor back before DeepSpeed frees it
         t.data = data
     for t, data, copy in snap.values:
@@ -149,8 +158,9 @@ class GatheredParametersAndBuffers:
     nothing is committed on any rank: ZeRO parameters are re-partitioned without DeepSpeed's broadcast
     (each shard keeps its value from before the context); buffers, plain parameters and ZeRO
     parameters an outer context holds get back their values (and dtype, device, shape) from a host
-    copy taken on enter, and every module slot its original tensor (after ``load_state_dict(assign=True)``,
-    say; names the body newly registered stay); every rank raises (the body's own exception where it raised,
+    copy taken on enter, and every module its registrations (the original tensors after
+    ``load_state_dict(assign=True)``, say; names and submodules the body added are dropped); every rank
+    raises (the body's own exception where it raised,
     :class:`ZeroBuffersError` elsewhere). DeepSpeed's own context broadcasts whatever the modifier
     rank holds even then, leaving a half-loaded model. The copy costs host memory the size of those
     tensors (ZeRO-3 parameters gathered here need none) and one small collective on enter, so that a
