@@ -9,7 +9,7 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,9 +231,17 @@ def describe(t: torch.Tensor) -> str:
 _DESCRIPTION = re.compile(r"^(?P<dtype>\w+)(?P<shape>\[[^\]]*\]) (?P<device>\S+)(?: (?P<layout>\S+))?$")
 
 
+def _new_hash() -> Any:
+    """The content hash: SHA-1 (hardware-accelerated on current x86 and ARM CPUs, about 2x blake2b here),
+    used as a checksum for bitwise equality, not for security; digests are its first 64 bits."""
+    return hashlib.sha1(usedforsecurity=False)
+
+
 def _digest(data: bytes | memoryview) -> int:
-    """Signed 64-bit blake2b digest."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    """Signed first 64 bits of the hash of ``data`` (structures and buffer contents alike)."""
+    h = _new_hash()
+    h.update(data)
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
 def wait_all(works: Sequence[Any], timeout: Timeout, what: str) -> None:
@@ -483,7 +491,7 @@ def all_gather_coalesced(g: Group, tensors: Sequence[torch.Tensor], timeout: Tim
     return result
 
 
-def require_body_succeeded(g: Group, failed: int, timeout: Timeout, what: str, skipped: str,
+def require_all_succeeded(g: Group, failed: int, timeout: Timeout, what: str, skipped: str,
                            steps: tuple[str, ...] = ("the body raised",)) -> None:
     """One all_gather of a code; if a step failed on any rank, every rank raises the same ZeroBuffersError.
 
@@ -518,12 +526,6 @@ def all_reduce_sum(g: Group, t: torch.Tensor, timeout: Timeout, what: str) -> to
     return t
 
 
-def _new_hash() -> Any:
-    """The content hash: SHA-1 (hardware-accelerated on current x86 and ARM CPUs, about 2x blake2b here),
-    used as a checksum for bitwise equality, not for security; digests are its first 64 bits."""
-    return hashlib.sha1(usedforsecurity=False)
-
-
 _IN_PLACE_BYTES = 1 << 16  # CPU tensors this large are hashed where they are; smaller ones are copied together
 
 
@@ -538,48 +540,36 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _host_views(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
-    """Raw bytes of each tensor on the host, in order: large contiguous CPU tensors in place; the rest of each
-    (device, dtype) bucket flattened and copied to the host once, then sliced."""
-    out: list[Any] = [None] * len(tensors)
+def _host_chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], int, memoryview]]:
+    """(indices, element size, raw bytes) per (device, dtype) bucket: each large CPU tensor in place, then the rest
+    flattened and copied to the host once. The order depends on the structure only."""
     for (_, dtype), idx in buckets(tensors).items():
         size = torch.empty((), dtype=dtype).element_size()
         packed = []
         for i in idx:
             if _in_place(tensors[i], size):
-                out[i] = _raw(tensors[i])
+                yield [i], size, _raw(tensors[i])
             else:
                 packed.append(i)
         if packed:
-            raw, offset = _raw(flatten([tensors[i] for i in packed]).cpu()), 0
-            for i in packed:
-                n = tensors[i].numel() * size
-                out[i], offset = raw[offset:offset + n], offset + n
-    return out
+            yield packed, size, _raw(flatten([tensors[i] for i in packed]).cpu())
 
 
 def combined_digest(tensors: Sequence[torch.Tensor]) -> int:
-    """One 64-bit digest over the raw bytes of all ``tensors`` (per bucket: large ones in place, then the rest
-    packed; a fixed order for a given structure)."""
+    """One 64-bit digest over the raw bytes of all ``tensors`` (fed in ``_host_chunks`` order)."""
     h = _new_hash()
-    for (_, dtype), idx in buckets(tensors).items():
-        size = torch.empty((), dtype=dtype).element_size()
-        packed = []
-        for i in idx:
-            if _in_place(tensors[i], size):
-                h.update(_raw(tensors[i]))
-            else:
-                packed.append(tensors[i])
-        if packed:
-            h.update(_raw(flatten(packed).cpu()))
+    for _, _, view in _host_chunks(tensors):
+        h.update(view)
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
 def content_digests(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One 64-bit digest per tensor over its raw bytes (bitwise equality, NaN payloads included); 0 when empty."""
-    out = []
-    for view in _host_views(tensors):
-        h = _new_hash()
-        h.update(view)
-        out.append(int.from_bytes(h.digest()[:8], "little", signed=True) if view.nbytes else 0)
+    out = [0] * len(tensors)
+    for idx, size, view in _host_chunks(tensors):
+        offset = 0
+        for i in idx:
+            n = tensors[i].numel() * size
+            out[i] = _digest(view[offset:offset + n]) if n else 0
+            offset += n
     return torch.tensor(out, dtype=torch.int64)

@@ -69,7 +69,7 @@ def sync_built_modules(modules: list[nn.Module], *, failed: bool, src: int, grou
     _dist.check_src(g, src)
     if g is None:
         return 0
-    _dist.require_body_succeeded(g, failed, timeout, what, "buffers of the modules built inside were not broadcast")
+    _dist.require_all_succeeded(g, failed, timeout, what, "buffers of the modules built inside were not broadcast")
     entries, seen = [], set()
     for k, root in enumerate(_roots(modules)):
         for name, buf in _dist.named_buffers(root):
