@@ -40,9 +40,14 @@ def _split(target: Any) -> tuple[list[nn.Module], list[torch.Tensor]]:
     return modules, params
 
 
+def _held_outside(p: torch.Tensor) -> bool:
+    """A ZeRO parameter an outer GatheredParameters context holds gathered right now."""
+    return hasattr(p, "ds_id") and getattr(p, _DEPTH_ATTR, 0) > 0
+
+
 def _gathered_parameters(params: list[torch.Tensor], modifier_rank: int | None, fwd_module: Any) -> Any:
     """DeepSpeed's context for the ZeRO parameters not already gathered by an outer context (or None)."""
-    zero = [p for p in params if hasattr(p, "ds_id") and getattr(p, _DEPTH_ATTR, 0) == 0]
+    zero = [p for p in params if hasattr(p, "ds_id") and not _held_outside(p)]
     if not zero:
         return None
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
@@ -198,6 +203,7 @@ class GatheredParametersAndBuffers:
         self.timeout = _dist.check_timeout(timeout, "GatheredParametersAndBuffers")
         plain = [p for p in loose if not hasattr(p, "ds_id")]
         self._box = _dist.as_module(modules, plain) if modules or plain else None
+        self._g = _dist.resolve_group(group) if self.modifier_rank is not None else None
         self._check_group()
         self._ds: Any = None
         self._saved = _Snapshot()
@@ -206,10 +212,8 @@ class GatheredParametersAndBuffers:
     def _check_group(self) -> None:
         """With ``modifier_rank``: ``group`` must cover every ZeRO parameter's process group (DeepSpeed broadcasts
         over those, after ranks agree over ``group``) and hold ``modifier_rank``. No collective: same on all ranks."""
-        if self.modifier_rank is None:
-            return
-        g = _dist.resolve_group(self.group)
-        if not (dist.is_available() and dist.is_initialized()):
+        g = self._g
+        if self.modifier_rank is None or not (dist.is_available() and dist.is_initialized()):
             return
         me = dist.get_rank()
         zero_ranks: set[int] = set()
@@ -252,17 +256,17 @@ class GatheredParametersAndBuffers:
 
     def _take_snapshot(self) -> None:
         """The rollback copy; if it fails on any rank (out of memory, say), every rank raises before gathering."""
-        held = [p for p in self._params if hasattr(p, "ds_id") and getattr(p, _DEPTH_ATTR, 0) > 0]
+        held = [p for p in self._params if _held_outside(p)]
         error = None
         try:
             with torch.no_grad():
                 self._saved = _snapshot(self._box, held)
         except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
             error = e
-        g = _dist.resolve_group(self.group)
+        g = self._g
         try:
             if g is not None:
-                _dist.require_body_succeeded(g, error is not None, self.timeout, "GatheredParametersAndBuffers",
+                _dist.require_all_succeeded(g, error is not None, self.timeout, "GatheredParametersAndBuffers",
                                              "nothing was gathered", steps=("taking the rollback copy failed",))
         except ZeroBuffersError:
             if error is None:
@@ -297,14 +301,14 @@ class GatheredParametersAndBuffers:
         """Unless a body raised or DeepSpeed would refuse on some rank (then every rank raises), broadcast buffers
         and plain parameters; DeepSpeed's exit then broadcasts the ZeRO parameters."""
         refusal = None if failed or self._ds is None else _deepspeed_would_refuse(self._ds)
-        g = _dist.resolve_group(self.group)
+        g = self._g
         if g is None:
             if failed or refusal:
                 raise ZeroBuffersError(f"GatheredParametersAndBuffers: {refusal or 'the body raised'}; nothing was "
                                        "committed")
             return
         try:
-            _dist.require_body_succeeded(g, 1 if failed else 2 if refusal else 0, self.timeout,
+            _dist.require_all_succeeded(g, 1 if failed else 2 if refusal else 0, self.timeout,
                                          "GatheredParametersAndBuffers",
                                          "nothing was committed: parameters and buffers are as before the context",
                                          steps=("the body raised", "DeepSpeed would refuse to broadcast"))
