@@ -92,7 +92,6 @@ def torch_broadcast_coalesced(tensors: list[torch.Tensor], src: int) -> None:
         ts = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.reshape(-1) for t in ts])
         dist.broadcast(flat, src)
-        torch._utils._unflatten_dense_tensors(flat, ts)
         for t, v in zip(ts, torch._utils._unflatten_dense_tensors(flat, ts)):
             t.copy_(v)
 
