@@ -108,7 +108,7 @@ def train(step, model: nn.Module, rank: int) -> None:
 
 
 def local_stats(model: nn.Module) -> dict[str, torch.Tensor]:
-    return bn_state(zb._dist.unwrap(model, "test").state_dict())
+    return bn_state(zb._modules.unwrap(model, "test").state_dict())
 
 
 # -- plain torch: sync_buffers before torch.save on rank 0 ----------------------------------------------------------

@@ -1,6 +1,6 @@
 """zero_buffers: keep PyTorch module buffers correct across ranks (DeepSpeed ZeRO-3, DDP, Accelerate)."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats
@@ -11,10 +11,12 @@ from .errors import (
     BuffersOutOfSyncError,
     CollectiveError,
     DeepSpeedUnavailableError,
+    DependencyError,
     DistributedSetupError,
     InvalidArgumentError,
     InvalidSourceRankError,
     RecomputeError,
+    SyncAbortedError,
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
@@ -31,6 +33,7 @@ __all__ = [
     "BuffersOutOfSyncError",
     "CollectiveError",
     "DeepSpeedUnavailableError",
+    "DependencyError",
     "DistributedSetupError",
     "GatheredParametersAndBuffers",
     "Init",
@@ -38,6 +41,7 @@ __all__ = [
     "InvalidSourceRankError",
     "RecomputeError",
     "SaveHook",
+    "SyncAbortedError",
     "UnsupportedDeviceError",
     "ZeroBuffersError",
     "__version__",

@@ -6,10 +6,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _bn, _dist
+from . import _args, _group, _modules, _transaction, _wire
 
 
-def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Timeout = None) -> int:
+def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Timeout = None) -> int:
     """Replace every BatchNorm's running statistics, on every rank, by the statistics of the mixture of all ranks.
 
     Estimator: rank r contributes with weight ``w_r = n_r / sum(n)``, where ``n_r`` is its
@@ -26,48 +26,78 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _dist.Tim
     use :func:`recompute_bn_stats` for exact population statistics.
 
     Covers every ``_NormBase`` that tracks running stats (BatchNorm1d/2d/3d, SyncBatchNorm). The sums
-    are computed in float64 with one all-reduce for the whole model, after a structure check; buffers
-    are written only once the all-reduce succeeded (a peer that dies, or stalls past ``timeout`` seconds
-    per step, raises :class:`CollectiveError` and changes nothing). Layers no rank has updated (all
-    counters 0) are left alone. A no-op without a process group. Returns the number of layers merged.
+    are computed in float64 with one all-reduce for the whole model, after a structure check, and
+    written only once every rank has them (all or nothing; a peer that dies, or a call past
+    ``timeout`` seconds, raises :class:`CollectiveError` and changes nothing). Layers no rank has
+    updated (all counters 0) are left alone. Every rank takes part even when its module has no
+    BatchNorm (then the structure check fails unless no rank has one). A no-op without a process
+    group. Returns the number of layers merged.
 
     Example::
 
         zero_buffers.average_bn_stats(model)     # before saving the checkpoint on rank 0
     """
-    _dist.check_module(module, "average_bn_stats")
-    timeout = _dist.check_timeout(timeout, "average_bn_stats")
-    g = _dist.resolve_group(group)
-    bns = _bn.tracking_bn_modules(module)
-    if g is None or not bns:
+    fn = "average_bn_stats"
+    _args.module(module, fn)
+    deadline = _wire.Deadline(_args.timeout(timeout, fn))
+    g = _group.resolve(group, fn)
+    if g is None:
         return 0
-    entries = _bn.stat_entries(bns)
-    _dist.agree_on_structure(g, ("average_bn_stats",), entries, timeout,
-                             "average_bn_stats")
-    _dist.reject_unsupported(entries, "average_bn_stats")
-    _dist.check_backend_devices(g, entries, "average_bn_stats")
+    bns = _modules.tracking_bn(module)
+    entries = _modules.bn_stat_entries(bns)
+    merged: list[int] = []
 
-    parts = []
+    def prepare() -> torch.Tensor:
+        return _pack(bns, g.device)
+
+    def exchange(sums: torch.Tensor) -> None:
+        _wire.all_reduce(g, sums, deadline, fn)
+
+    def apply(sums: torch.Tensor) -> None:
+        merged.append(_write(bns, sums))
+
+    _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply)
+    return merged[0]
+
+
+def _pack(bns: list[tuple[str, nn.Module]], device: torch.device) -> torch.Tensor:
+    """Per layer [n, n * mean (C), n * (var + mean^2) (C)] in float64 on ``device``; one host sync for the counters."""
+    if not bns:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    counts = [m.num_batches_tracked.reshape(1) if m.num_batches_tracked is not None else None for _, m in bns]
+    known = [c.to(device, torch.float64) for c in counts if c is not None]
+    stacked = torch.cat(known) if known else torch.zeros(0, dtype=torch.float64, device=device)
+    parts, k = [], 0
+    for (_, m), c in zip(bns, counts):
+        if c is None:
+            n = torch.ones(1, dtype=torch.float64, device=device)
+        else:
+            n = stacked[k:k + 1]
+            k += 1
+        mean = m.running_mean.detach().to(device, torch.float64)
+        var = m.running_var.detach().to(device, torch.float64)
+        parts += [n, n * mean, n * (var + mean * mean)]
+    return torch.cat(parts)
+
+
+def _write(bns: list[tuple[str, nn.Module]], sums: torch.Tensor) -> int:
+    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count."""
+    offsets, offset = [], 0
     for _, m in bns:
-        n = float(m.num_batches_tracked) if m.num_batches_tracked is not None else 1.0
-        mean = m.running_mean.detach().to(g.device, torch.float64)
-        var = m.running_var.detach().to(g.device, torch.float64)
-        parts += [torch.tensor([n], dtype=torch.float64, device=g.device), n * mean, n * (var + mean * mean)]
-    sums = _dist.all_reduce_sum(g, torch.cat(parts), timeout, "average_bn_stats")
-
-    merged, offset = 0, 0
+        offsets.append(offset)
+        offset += 1 + 2 * m.running_mean.numel()
+    totals = sums[offsets].cpu().tolist() if bns else []  # one device-to-host copy
+    merged = 0
     with torch.no_grad():
-        for _, m in bns:
-            c = m.running_mean.numel()
-            total, s1, s2 = sums[offset], sums[offset + 1:offset + 1 + c], sums[offset + 1 + c:offset + 1 + 2 * c]
-            offset += 1 + 2 * c
+        for (_, m), start, total in zip(bns, offsets, totals):
             if total <= 0:
                 continue
-            mean = s1 / total
-            var = (s2 / total - mean * mean).clamp_min(0)
+            c = m.running_mean.numel()
+            mean = sums[start + 1:start + 1 + c] / total
+            var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
             m.running_mean.copy_(mean.to(m.running_mean.device, m.running_mean.dtype))
             m.running_var.copy_(var.to(m.running_var.device, m.running_var.dtype))
             if m.num_batches_tracked is not None:
-                m.num_batches_tracked.fill_(int(round(float(total))))
+                m.num_batches_tracked.fill_(int(round(total)))
             merged += 1
     return merged

@@ -13,22 +13,23 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
-from . import _bn, _dist
-from .errors import CollectiveError, InvalidArgumentError, RecomputeError
+from . import _args, _group, _modules, _structure, _transaction, _wire
+from ._compat import deepspeed as ds_compat
+from .errors import InvalidArgumentError, RecomputeError
 
 _FN = "recompute_bn_stats"
 
 
-def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Mapping[str, Any], *,
-                       num_batches: int | None = None, group: Any = None, progress: bool = True,
-                       timeout: _dist.Timeout = None, device: torch.device | str | None = None,
+def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Mapping[str, Any] | Callable[[], Any],
+                       *, num_batches: int | None = None, group: Any = None, progress: bool = True,
+                       timeout: _args.Timeout = None, device: torch.device | str | None = None,
                        forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
     """Recompute every BatchNorm's running statistics from forward passes over all ranks' data, identically on each.
 
     Each rank runs ``model`` in train mode under ``torch.no_grad()`` over its own batches of ``data``
-    (at most ``num_batches`` of them; ranks may have different numbers, zero included). Forward
-    pre-hooks add up, per channel and in float64, the exact count, sum and sum of squares of every
-    BatchNorm layer's input; after the loop one all-reduce combines all ranks and every rank writes
+    (at most ``num_batches`` of them; ranks may have different numbers, zero included, but not all
+    zero). Forward pre-hooks add up, per channel and in float64, the exact count, sum and sum of squares
+    of every BatchNorm layer's input; after the loop one all-reduce combines all ranks and every rank writes
 
         running_mean = sum x / n,   running_var = (sum x^2 - n * mean^2) / (n - 1)   (unbiased, as torch)
         num_batches_tracked = max(1, round(T / world))
@@ -38,29 +39,32 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     keeps these statistics and restores the total ``T``. For a model whose first layer is BatchNorm the
     result equals the statistics of all ranks' data concatenated. Tracking ``InstanceNorm`` layers get
     torch's own definition (mean of per-instance means and of per-instance unbiased variances).
-    Layers no rank reached keep their statistics.
+    Layers no rank reached keep their statistics. This is the pooled variance over all samples, not the
+    average of per-batch variances that fvcore's / detectron2's "precise BN" computes.
 
-    Batches: a tensor is passed as ``model(x)``, a tuple or list as ``model(batch[0])`` (``(inputs,
-    labels)``), a mapping as ``model(**batch)`` (Hugging Face style); ``forward(model, batch)``
-    overrides this. ``data`` itself may be one tensor or mapping (a single batch). With ``device``,
-    tensors in each batch are moved there first.
+    ``data``: an iterable of batches, a callable returning a fresh one, or one tensor or mapping (a
+    single batch). A tensor is passed as ``model(x)``, a tuple or list as ``model(batch[0])``
+    (``(inputs, labels)``), a mapping as ``model(**batch)`` (Hugging Face style); ``forward(model,
+    batch)`` overrides this. With ``device``, tensors in each batch are moved there first.
 
     Wrappers: DDP, DataParallel, DeepSpeed engines, Accelerate-prepared and ``torch.compile``d models
     are unwrapped and the passes run on the inner module (DDP's forward would broadcast buffers, a
     collective that hangs when ranks have different numbers of batches). ``SyncBatchNorm`` layers
     normalise with this rank's batch during the passes (no collective; their statistics are still
-    combined exactly). ZeRO-3 partitioned models gather parameters inside every forward, so there the
-    ranks step together: one small all-reduce per step, and a rank that ran out of batches replays its
-    last one without counting it (every rank then needs at least one batch). Any other collective in
-    the model's own forward is not supported.
+    combined exactly). A ZeRO-3 partitioned model is gathered once, whole, before the passes (it needs
+    the memory of the full model on every rank for the duration) and the engine's per-layer
+    gather/release hooks are suspended, so no forward issues a collective: a rank whose data or
+    forward fails cannot leave its peers waiting inside a forward. Any other collective in the model's
+    own forward is not supported.
 
     Afterwards every module's train/eval mode is restored, momentum is never touched, every buffer
     other than the BatchNorm statistics (EMA codebooks, step counters) gets its old value back, and
     the global RNG states are restored (dropout in these passes does not shift your random stream).
     A failure on any rank (data, forward, structure, collective) raises on every rank
-    (:class:`RecomputeError` for data/forward failures) and leaves every buffer unchanged. Without a
-    process group the statistics come from this process's data alone. A progress bar (tqdm) is shown
-    on the group's first rank when ``progress``. Returns the number of layers written.
+    (:class:`RecomputeError`, naming each failing rank and its exception, for data/forward failures)
+    and leaves every buffer unchanged; so does a call in which no rank had a batch. Without a process
+    group the statistics come from this process's data alone. A progress bar (tqdm) is shown on the
+    group's first rank when ``progress``. Returns the number of layers written.
 
     Example::
 
@@ -69,60 +73,63 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         if rank == 0:
             torch.save(model.state_dict(), "ckpt.pt")          # statistics of all ranks' data
     """
-    _dist.check_module(model, _FN)
+    _args.module(model, _FN)
     if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)
                                     or num_batches < 0):
         raise InvalidArgumentError(f"{_FN}(): num_batches must be None or an int >= 0, got {num_batches!r}")
     if forward is not None and not callable(forward):
         raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
-    timeout = _dist.check_timeout(timeout, _FN)
-    if not _dist.is_member(group):
-        return 0
-    inner = _dist.unwrap(model, _FN)
-    g = _dist.resolve_group(group)
-    bns = _bn.tracking_bn_modules(inner)
-    lockstep = g is not None and any(hasattr(p, "ds_id") for p in inner.parameters())
-    entries = _bn.stat_entries(bns)
-    if g is not None:
-        described = [(n, "uninitialised lazy buffer" if is_lazy(t) else t) for n, t in entries]
-        _dist.agree_on_structure(g, (_FN, lockstep), described, timeout, _FN)
+    deadline = _wire.Deadline(_args.timeout(timeout, _FN))
+    g = _group.resolve(group, _FN)
+    if g is None and _group.initialized() and group is not None:
+        return 0  # not a member of the group
+    inner = _modules.unwrap(model, _FN)
+    bns = _modules.tracking_bn(inner)
+    entries = _modules.bn_stat_entries(bns)
+    zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
     lazy = [n for n, t in entries if is_lazy(t)]
+    if g is not None:
+        described = [(n, _structure.Spec(n, "uninitialised", (), "lazy") if is_lazy(t) else t) for n, t in entries]
+        _structure.agree(g, (_FN, bool(zero)), described, deadline, _FN)
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
+    if g is not None:
+        problem = _transaction.unsendable(g, entries, _FN)
+        if problem is not None:
+            raise problem
     if not bns:
         return 0
-    _dist.reject_unsupported(entries, _FN)
-    if g is not None:
-        _dist.check_backend_devices(g, entries, _FN)
     world = g.size if g is not None else 1
 
     saved_stats = [(t, t.detach().clone()) for _, t in entries]
     stat_ids = {id(t) for _, t in entries}
-    saved_other = [(b, b.detach().clone()) for _, b in _dist.named_buffers(inner) if id(b) not in stat_ids]
+    saved_other = [(b, b.detach().clone()) for _, b in _modules.named_buffers(inner) if id(b) not in stat_ids]
     acc = _Accumulators(bns)
     failure: BaseException | None = None
     try:
-        with _passes(inner, bns, acc, saved_other):
-            runner = _Runner(inner, acc, forward, device, g, timeout)
-            batches = _limit(data, num_batches)
-            with _progress(data, num_batches, progress and (g is None or g.rank == g.ranks[0])) as bar:
-                try:
-                    if lockstep:
-                        runner.lockstep(batches, bar)
-                    else:
-                        runner.independent(batches, bar)
-                except Exception as e:  # noqa: BLE001 - reported to every rank below
-                    failure = e
+        with _passes(inner, bns, acc, saved_other, zero):
+            runner = _Runner(inner, acc, forward, device)
+            try:
+                source = _batches(data)
+                with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
+                    runner.run_all(_limit(source, num_batches), bar)
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                failure = e
         if failure is not None and g is None:
             raise RecomputeError(f"{_FN}() failed: {type(failure).__name__}: {failure}. No buffer was modified.",
                                  (0,)) from failure
-        totals = acc.pack(world, g.rank if g is not None else 0, g.ranks if g is not None else (0,),
-                          failure is not None)
-        if g is not None:
-            totals = _dist.all_reduce_sum(g, totals.to(g.device), timeout, _FN).cpu()
-        _raise_failures(g, totals[:world], failure, timeout)
+        me = g.me if g is not None else 0
+        totals = acc.pack(world, me, failure is not None)
+        if g is not None:  # one all-reduce: [failed flag per member] [batches] [per layer: calls, n, s1, s2]
+            totals = _wire.all_reduce(g, totals.to(g.device), deadline, _FN).cpu()
+            _transaction.abort_if_any(g, [int(f) for f in totals[:world].tolist()], failure, deadline, f"{_FN}()",
+                                      "the data or forward pass failed", "no buffer was modified",
+                                      error=RecomputeError)
+        if int(totals[world]) == 0:
+            raise RecomputeError(f"{_FN}(): no rank had a batch (data was empty or exhausted); nothing to recompute, "
+                                 "no buffer was modified")
         _restore(saved_stats)  # the layers' own train-mode updates during the passes are discarded
-        return _write(bns, totals[world:], world)
+        return _write(bns, totals[world + 1:], world)
     except BaseException:
         _restore(saved_stats)
         raise
@@ -130,15 +137,24 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         acc.clear()
 
 
+def _batches(data: Any) -> Iterable[Any]:
+    """The batches: ``data`` itself, a fresh iterable from a callable, or a lone tensor / mapping as one batch."""
+    if callable(data) and not isinstance(data, (torch.Tensor, Mapping)) and not hasattr(data, "__iter__"):
+        data = data()
+    if isinstance(data, (torch.Tensor, Mapping)):
+        return (data,)
+    return data
+
+
 class _Accumulators:
-    """Per-layer float64 sums fed by forward pre-hooks; ``enabled`` switches counting off for replayed batches."""
+    """Per-layer float64 sums fed by forward pre-hooks, and the number of batches run."""
 
     def __init__(self, bns: list[tuple[str, _NormBase]]):
         self.layers = [m for _, m in bns]
-        self.enabled = True
         self.clear()
 
     def clear(self) -> None:
+        self.batches = 0
         self.calls = [0] * len(self.layers)
         self.n = [0.0] * len(self.layers)
         self.s1: list[torch.Tensor | None] = [None] * len(self.layers)
@@ -147,7 +163,7 @@ class _Accumulators:
     def hook(self, i: int) -> Callable[[nn.Module, tuple], None]:
         """The forward pre-hook of layer ``i``."""
         def pre_hook(module: nn.Module, args: tuple) -> None:
-            if self.enabled and args and isinstance(args[0], torch.Tensor):
+            if args and isinstance(args[0], torch.Tensor):
                 self.add(i, module, args[0])
         return pre_hook
 
@@ -168,11 +184,12 @@ class _Accumulators:
         self.s1[i] = s1 if self.s1[i] is None else self.s1[i] + s1
         self.s2[i] = s2 if self.s2[i] is None else self.s2[i] + s2
 
-    def pack(self, world: int, rank: int, ranks: tuple[int, ...], failed: bool) -> torch.Tensor:
-        """[failed flag per rank] + per layer [calls, n, s1 (C), s2 (C)], float64 on CPU."""
-        parts = [torch.zeros(world, dtype=torch.float64)]
+    def pack(self, world: int, me: int, failed: bool) -> torch.Tensor:
+        """[failed flag per member] [batches] + per layer [calls, n, s1 (C), s2 (C)], float64 on CPU."""
+        parts = [torch.zeros(world, dtype=torch.float64), torch.tensor([0 if failed else self.batches],
+                                                                       dtype=torch.float64)]
         if failed:
-            parts[0][ranks.index(rank)] = 1.0
+            parts[0][me] = 1.0
         for i, m in enumerate(self.layers):
             c = m.running_mean.numel()
             ok = not failed and self.s1[i] is not None
@@ -190,8 +207,9 @@ def _local_sync_bn_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch
 
 @contextlib.contextmanager
 def _passes(inner: nn.Module, bns: list[tuple[str, _NormBase]], acc: _Accumulators,
-            saved_other: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """Train mode, hooks, local SyncBatchNorm and a forked RNG for the passes; everything put back on exit."""
+            saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: list[torch.Tensor]) -> Iterator[None]:
+    """Train mode, hooks, local SyncBatchNorm, a forked RNG and (ZeRO-3) the whole model gathered with the engine's
+    gather/release hooks suspended, for the passes; everything put back on exit."""
     modes = [(m, m.training) for m in inner.modules()]
     handles = [m.register_forward_pre_hook(acc.hook(i)) for i, (_, m) in enumerate(bns)]
     patched = []
@@ -200,8 +218,10 @@ def _passes(inner: nn.Module, bns: list[tuple[str, _NormBase]], acc: _Accumulato
             patched.append((m, m.__dict__.get("forward")))
             m.forward = types.MethodType(_local_sync_bn_forward, m)
     cuda = sorted({t.device.index or 0 for t in [*inner.parameters(), *inner.buffers()] if t.device.type == "cuda"})
+    gathered = ds_compat.Gather(zero) if zero else contextlib.nullcontext()
+    suspended = ds_compat.zero3_hooks_suspended(inner) if zero else contextlib.nullcontext()
     try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        with gathered, suspended, torch.random.fork_rng(devices=cuda), torch.no_grad():
             inner.train()
             yield
     finally:
@@ -224,10 +244,8 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             t.copy_(old)
 
 
-def _limit(data: Any, num_batches: int | None) -> Iterator[Any]:
-    """The batches of ``data`` (a lone tensor or mapping is one batch), at most ``num_batches``."""
-    if isinstance(data, (torch.Tensor, Mapping)):
-        data = (data,)
+def _limit(data: Iterable[Any], num_batches: int | None) -> Iterator[Any]:
+    """At most ``num_batches`` of ``data``."""
     if num_batches == 0:
         return
     for i, batch in enumerate(data):
@@ -272,11 +290,11 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 
 class _Runner:
-    """Runs the forward passes, independently per rank or (ZeRO-3) in lockstep."""
+    """Runs the forward passes over one rank's batches (no collective: ZeRO-3 models are gathered beforehand)."""
 
     def __init__(self, inner: nn.Module, acc: _Accumulators, forward: Callable[[nn.Module, Any], Any] | None,
-                 device: torch.device | str | None, g: _dist.Group | None, timeout: _dist.Timeout):
-        self.inner, self.acc, self.forward, self.g, self.timeout = inner, acc, forward, g, timeout
+                 device: torch.device | str | None):
+        self.inner, self.acc, self.forward = inner, acc, forward
         self.device = torch.device(device) if device is not None else None
 
     def run(self, batch: Any) -> None:
@@ -295,69 +313,13 @@ class _Runner:
             raise InvalidArgumentError(
                 f"{_FN}(): cannot feed a batch of type {type(batch).__name__} to the model; pass a tensor, a "
                 "(inputs, ...) tuple, a mapping of keyword arguments, or forward=lambda model, batch: ...")
+        self.acc.batches += 1
 
-    def independent(self, batches: Iterator[Any], bar: Any) -> None:
-        """Every rank loops over its own batches; no collective inside the loop."""
+    def run_all(self, batches: Iterator[Any], bar: Any) -> None:
         for batch in batches:
             self.run(batch)
             if bar is not None:
                 bar.update(1)
-
-    def lockstep(self, batches: Iterator[Any], bar: Any) -> None:
-        """Ranks step together (ZeRO-3 gathers parameters in every forward); spent ranks replay without counting."""
-        # Before each step one all-reduce of [has a batch, failed reading, never had a batch] tells every rank
-        # whether to go on; a rank whose data failed re-raises and reports in the final all-reduce.
-        g = self.g
-        last = None
-        while True:
-            batch, has, error = None, 0, None
-            try:
-                batch, has = next(batches), 1
-            except StopIteration:
-                pass
-            except Exception as e:  # noqa: BLE001 - re-raised after the peers were told
-                error = e
-            empty = int(not has and error is None and last is None)
-            flags = torch.tensor([has, int(error is not None), empty], dtype=torch.int64, device=g.device)
-            anyone, failures, empties = (int(v) for v in _dist.all_reduce_sum(g, flags, self.timeout, _FN).cpu())
-            if error is not None:
-                raise error
-            if failures or not anyone:
-                return
-            if empties:
-                if empty:
-                    raise InvalidArgumentError(
-                        "this rank has no batch, but the model is partitioned by ZeRO-3 and every forward gathers "
-                        "parameters from all ranks: each rank needs at least one batch")
-                return
-            if has:
-                self.run(batch)
-                last = batch
-                if bar is not None:
-                    bar.update(1)
-            else:
-                self.acc.enabled = False
-                try:
-                    self.run(last)
-                finally:
-                    self.acc.enabled = True
-
-
-def _raise_failures(g: _dist.Group | None, flags: torch.Tensor, failure: BaseException | None,
-                    timeout: _dist.Timeout) -> None:
-    """Raise the same RecomputeError on every rank when any rank's passes failed."""
-    if g is None or not bool((flags > 0).any()):
-        return
-    failed = tuple(r for r, f in zip(g.ranks, flags.tolist()) if f > 0)
-    mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    try:  # the messages are a courtesy: a peer that dies or stalls here (past timeout) leaves them out
-        messages: list[Any] = _dist.gather_objects(g, mine, timeout, _FN)
-    except CollectiveError:
-        messages = [None] * g.size
-    reasons = "; ".join(f"rank {r}: {m}" for r, m in zip(g.ranks, messages) if m is not None and r in failed)
-    who = ("rank " if len(failed) == 1 else "ranks ") + ", ".join(map(str, failed))
-    err = RecomputeError(f"{_FN}() failed on {who} ({reasons or 'no message'}). No buffer was modified.", failed)
-    raise err from failure
 
 
 def _write(bns: list[tuple[str, _NormBase]], sums: torch.Tensor, world: int) -> int:

@@ -8,7 +8,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _dist
+from . import _args, _modules
+from ._compat import accelerate as acc_compat
+from ._compat import deepspeed as ds_compat
 from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
@@ -18,13 +20,12 @@ from .report import assert_buffers_in_sync
 Policy = Literal["broadcast", "average", "recompute", "check"]
 POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
 
-# Methods that write a checkpoint or build the state dict one is written from, and that every rank must call.
+# Accelerator methods that write a checkpoint or build the state dict one is written from, called on every rank.
 _ACCELERATOR_METHODS = ("save_state", "get_state_dict")
-_ENGINE_METHODS = ("save_checkpoint", "save_16bit_model", "_zero3_consolidated_16bit_state_dict")
 
 
 def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = None, num_batches: int | None = None,
-                 group: Any = None, timeout: _dist.Timeout = None, progress: bool = False,
+                 group: Any = None, timeout: _args.Timeout = None, progress: bool = False,
                  device: torch.device | str | None = None,
                  forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
     """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
@@ -35,11 +36,13 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
       matches too.
     - ``"recompute"``: BatchNorm statistics are recomputed over every rank's ``data``
       (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``), then every
-      buffer is broadcast from ``src``.
+      buffer is broadcast from ``src``. ``data`` is iterated once; a call in which no rank had a batch
+      raises :class:`RecomputeError` and changes nothing.
     - ``"check"``: nothing changes; :class:`BuffersOutOfSyncError` is raised on every rank if any buffer
       differs (use it to refuse to write a checkpoint that would carry one rank's values).
 
-    DDP, DeepSpeed engines and Accelerate-prepared models are unwrapped. Returns the number of buffers
+    ``src`` is a rank within ``group``. DDP, DeepSpeed engines and Accelerate-prepared models are unwrapped.
+    Returns the number of buffers
     now known identical on every rank (checked ones for ``"check"``; 0 without a process group).
 
     Example::
@@ -49,9 +52,10 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
             torch.save(model.module.state_dict(), "ckpt.pt")
     """
     _check_policy(policy, data, "sync_buffers")
-    _dist.check_module(model, "sync_buffers")
-    _dist.check_timeout(timeout, "sync_buffers")
-    inner = _dist.unwrap(model, "sync_buffers")
+    _args.module(model, "sync_buffers")
+    _args.rank(src, "src", "sync_buffers")
+    _args.timeout(timeout, "sync_buffers")
+    inner = _modules.unwrap(model, "sync_buffers")
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0
@@ -63,14 +67,30 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     return broadcast_buffers(inner, src, group=group, timeout=timeout)
 
 
-def _check_policy(policy: Any, data: Any, fn: str) -> None:
-    """Raise InvalidArgumentError for an unknown policy or ``"recompute"`` without data (before any collective)."""
+def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False) -> None:
+    """Raise InvalidArgumentError for an unknown policy, ``"recompute"`` without data, or (``reused``: data that every
+    save iterates again) a one-shot iterator; before any collective."""
     if policy not in POLICIES:
         raise InvalidArgumentError(f"{fn}(): policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
     if policy == "recompute" and data is None:
         raise InvalidArgumentError(f"{fn}(): policy 'recompute' needs data= (each rank's batches)")
     if policy != "recompute" and data is not None:
         raise InvalidArgumentError(f"{fn}(): data= is only used by policy 'recompute', not {policy!r}")
+    if reused and data is not None and _one_shot(data):
+        raise InvalidArgumentError(
+            f"{fn}(): data is a one-shot iterator ({type(data).__name__}), but every save iterates it again: the "
+            "second save would see no batch. Pass something iterable many times (a list, a DataLoader) or a "
+            "callable that returns a fresh iterable (data=lambda: iter(loader))")
+
+
+def _one_shot(data: Any) -> bool:
+    """An iterator that is its own iterable (a generator, ``iter(list)``): it can be iterated only once."""
+    if isinstance(data, (torch.Tensor, dict)) or callable(data) and not hasattr(data, "__iter__"):
+        return False
+    try:
+        return iter(data) is data
+    except TypeError:
+        return False
 
 
 class SaveHook:
@@ -129,26 +149,8 @@ class SaveHook:
 _MISSING = object()
 
 
-def _is_engine(obj: Any) -> bool:
-    """True for a DeepSpeed engine (checked by class name, so DeepSpeed need not be imported)."""
-    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
-
-
-def _is_accelerator(obj: Any) -> bool:
-    """True for an ``accelerate.Accelerator``."""
-    return any(c.__name__ == "Accelerator" and c.__module__.startswith("accelerate") for c in type(obj).__mro__)
-
-
-def _is_zero3(engine: Any) -> bool:
-    """Whether a DeepSpeed engine partitions parameters (ZeRO stage 3)."""
-    try:
-        return bool(engine.zero_optimization_partition_weights())
-    except Exception:  # noqa: BLE001 - not an engine, or an engine without the method
-        return False
-
-
 def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any = None,
-                         num_batches: int | None = None, group: Any = None, timeout: _dist.Timeout = None,
+                         num_batches: int | None = None, group: Any = None, timeout: _args.Timeout = None,
                          progress: bool = False, device: torch.device | str | None = None,
                          forward: Callable[[nn.Module, Any], Any] | None = None) -> SaveHook:
     """Make every checkpoint that ``target`` writes carry synchronised buffers: :func:`sync_buffers` runs first.
@@ -172,30 +174,32 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
         zero_buffers.sync_buffers_on_save(accelerator, "average")   # once, after prepare()
         accelerator.save_state("ckpt")                               # BatchNorm stats of all ranks
     """
-    _check_policy(policy, data, "sync_buffers_on_save")
-    src = _dist.check_rank_arg(src, "src", "sync_buffers_on_save")  # now, not at the first save
-    _dist.check_timeout(timeout, "sync_buffers_on_save")
+    _check_policy(policy, data, "sync_buffers_on_save", reused=True)
+    src = _args.rank(src, "src", "sync_buffers_on_save")  # now, not at the first save
+    _args.timeout(timeout, "sync_buffers_on_save")
     if getattr(target, "_zero_buffers_save_hook", None) is not None:
         raise InvalidArgumentError(
             "sync_buffers_on_save(): this object already has a save hook; call .remove() on it first")
     options = dict(src=src, data=data, num_batches=num_batches, group=group, timeout=timeout, progress=progress,
                    device=device, forward=forward)
 
-    if _is_accelerator(target):
+    if acc_compat.is_accelerator(target):
+        acc_compat.prepared_models(target)  # fail now, not at the first save, on an Accelerate without it
+
         def sync_accelerator(acc: Any, name: str, args: tuple, kwargs: dict) -> None:
             if name == "save_state":
-                for model in acc._models:
+                for model in acc_compat.prepared_models(acc):
                     sync_buffers(model, policy, **options)
             else:  # get_state_dict(model, ...): collective only when the model is a ZeRO-3 engine
                 model = args[0] if args else kwargs.get("model")
-                if _is_engine(model) and _is_zero3(model):
+                if ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model):
                     sync_buffers(model, policy, **options)
         return SaveHook(target, _ACCELERATOR_METHODS, sync_accelerator)
 
-    if _is_engine(target):
+    if ds_compat.is_engine(target):
         def sync_engine(engine: Any, name: str, args: tuple, kwargs: dict) -> None:
             sync_buffers(engine.module, policy, **options)
-        return SaveHook(target, _ENGINE_METHODS, sync_engine)
+        return SaveHook(target, ds_compat.ENGINE_SAVE_METHODS, sync_engine)
 
     raise InvalidArgumentError(
         f"sync_buffers_on_save() expects an accelerate.Accelerator or a DeepSpeed engine, got {type(target).__name__}; "

@@ -13,7 +13,7 @@ class InvalidArgumentError(ZeroBuffersError, TypeError):
 
 
 class InvalidSourceRankError(InvalidArgumentError, ValueError):
-    """``src`` is out of range or not a member of the process group. Raised before any collective."""
+    """A rank argument (``src``, ``modifier_rank``) is not a rank of the process group. Raised before any collective."""
 
 
 class DistributedSetupError(ZeroBuffersError):
@@ -29,7 +29,7 @@ class BufferStructureError(ZeroBuffersError):
 
     Raised identically on every rank before any data moves; no buffer is modified.
     ``name`` is the first differing buffer (or ``None`` when the call arguments differ) and
-    ``details`` maps each rank to its description of that buffer.
+    ``details`` maps each global rank to its description of that buffer.
     """
 
     def __init__(self, message: str, name: str | None = None, details: dict[int, str] | None = None):
@@ -50,17 +50,38 @@ class CollectiveError(ZeroBuffersError):
     """A collective failed or timed out (a peer died or stalled). Buffers were left unchanged."""
 
 
-class DeepSpeedUnavailableError(ZeroBuffersError):
-    """A ZeRO-3 feature was asked for but DeepSpeed cannot be imported."""
+class SyncAbortedError(ZeroBuffersError):
+    """A step failed on some ranks; every rank of the group raised this and nothing was changed.
+
+    ``ranks`` are the global ranks where the step failed and ``reasons`` maps each to its message.
+    On a failing rank the original exception is chained (``__cause__``).
+    """
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), reasons: dict[int, str] | None = None):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.reasons = dict(reasons or {})
 
 
-class RecomputeError(ZeroBuffersError):
+class RecomputeError(SyncAbortedError):
     """A rank's data or forward pass failed inside :func:`recompute_bn_stats`; raised identically on every rank.
 
     ``ranks`` lists the global ranks that failed; on those ranks the original exception is chained
     (``__cause__``). Every buffer, train/eval mode and momentum was restored to its state before the call.
     """
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+
+class DependencyError(ZeroBuffersError):
+    """An optional dependency a feature needs is missing, or its installed version lacks what we rely on.
+
+    ``package`` names it and ``version`` is the installed version (``None`` when it is not installed).
+    """
+
+    def __init__(self, message: str, package: str = "", version: str | None = None):
         super().__init__(message)
-        self.ranks = tuple(ranks)
+        self.package = package
+        self.version = version
+
+
+class DeepSpeedUnavailableError(DependencyError):
+    """A ZeRO-3 feature was asked for but DeepSpeed cannot be imported."""

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _dist
+from . import _args, _group
+from ._compat import deepspeed as ds_compat
 from .broadcast import broadcast_buffers
-from .gathered import _gathered_parameters
 
 _FROZEN_TYPES: dict[type, type] = {}
 
@@ -38,7 +38,8 @@ def _params_to_buffers(module: nn.Module) -> list[tuple[nn.Module, str, nn.Param
     """Replace every parameter by a full, plain, persistent buffer of the same name (ZeRO ones gathered once)."""
     owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     unique = list({id(p): p for _, _, p in owners}.values())
-    gather = _gathered_parameters(unique, None, None) or nullcontext()
+    zero = [p for p in unique if ds_compat.is_zero_param(p)]
+    gather = ds_compat.Gather(zero) if zero else nullcontext()
     with gather:
         full = {id(p): p.detach().clone() for p in unique}  # tied weights stay tied
     for m in {id(m): m for m, _, _ in owners}.values():
@@ -60,7 +61,7 @@ def _undo(module: nn.Module, cls: type, owners: list[tuple[nn.Module, str, nn.Pa
     module.__class__ = cls
 
 
-def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeout: _dist.Timeout = None) -> nn.Module:
+def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeout: _args.Timeout = None) -> nn.Module:
     """Turn ``module`` (in place) into a frozen, plain replica that is identical on every rank; return it.
 
     * ZeRO-3 partitioned parameters are gathered once and the ZeRO state dropped; every parameter
@@ -81,9 +82,10 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
         tokenizer.load_state_dict(sd)                   # on rank 0 only, say
         tokenizer = zero_buffers.frozen_replica(tokenizer)   # full, identical, no_grad, no all-gather
     """
-    _dist.check_module(module, "frozen_replica")
-    _dist.check_timeout(timeout, "frozen_replica")
-    _dist.check_src(_dist.resolve_group(group), src)
+    _args.module(module, "frozen_replica")
+    _args.timeout(timeout, "frozen_replica")
+    src = _args.rank(src, "src", "frozen_replica")
+    _group.check_src(_group.resolve(group, "frozen_replica"), src, "frozen_replica")
     cls = type(module)
     owners = _params_to_buffers(module)
     module.__class__ = _frozen_type(cls)

@@ -1,37 +1,13 @@
 """no_zero_init: build modules as full, plain replicas even while ZeRO-3 partitioning is active."""
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+
+from ._compat import deepspeed as ds_compat
+from ._compat import transformers as hf_compat
 
 _depth = 0  # only the outermost no_zero_init escapes and restores
-
-
-def _escape() -> dict[str, Any]:
-    """Suspend DeepSpeed's active zero.Init patches and transformers' ZeRO-3 flag; return what to restore."""
-    state: dict[str, Any] = {}
-    hf = sys.modules.get("transformers.integrations.deepspeed")
-    if hf is not None and getattr(hf, "_hf_deepspeed_config_weak_ref", None) is not None:
-        state["hf"] = (hf, hf._hf_deepspeed_config_weak_ref, hf._hf_deepspeed_config_weak_ref())  # keep it alive
-        hf.unset_hf_deepspeed_config()
-    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
-    if pp is not None and pp.top_level_context is not None and getattr(pp.top_level_context, "patched", False):
-        pp.shutdown_init_context()  # what deepspeed.initialize does; Init(enabled=False) would not escape
-        state["ds"] = (pp, pp.top_level_context)
-    return state
-
-
-def _restore(state: dict[str, Any]) -> None:
-    """Undo _escape: re-patch the same zero.Init context and put transformers' weakref back."""
-    if "ds" in state:
-        pp, ctx = state["ds"]
-        if pp.top_level_context is ctx:
-            pp.restore_init_context()
-    if "hf" in state:
-        hf, ref, _ = state["hf"]
-        hf._hf_deepspeed_config_weak_ref = ref
 
 
 @contextmanager
@@ -56,10 +32,23 @@ def no_zero_init() -> Iterator[None]:
                 tokenizer = VideoTokenizer.from_pretrained(path)   # full replica, loaded on every rank
     """
     global _depth
-    state = _escape() if _depth == 0 else {}
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
+    flag = hf_compat.suspend_zero3_flag()
+    try:
+        ctx = ds_compat.suspend_init_context()
+    except BaseException:
+        hf_compat.restore_zero3_flag(flag)
+        raise
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
-        _restore(state)
+        ds_compat.resume_init_context(ctx)
+        hf_compat.restore_zero3_flag(flag)

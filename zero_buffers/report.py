@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _dist
-from .errors import BuffersOutOfSyncError, InvalidArgumentError
+from . import _args, _digest, _group, _modules, _structure, _transaction, _wire
+from .errors import BuffersOutOfSyncError
 
 
 @dataclass(frozen=True)
 class BufferRow:
-    """One buffer's cross-rank verdict. ``differing_ranks`` are global ranks whose value differs from the reference."""
+    """One buffer's cross-rank verdict. ``differing_ranks`` are global ranks whose value differs from the reference;
+    ``max_rel_diff`` is ``max_abs_diff`` over the largest magnitude in the reference; ``untrained_ranks`` are
+    the ranks where this BatchNorm statistic is still at its initial value (mean 0, var 1, count 0)."""
 
     name: str
     dtype: str
@@ -24,17 +26,21 @@ class BufferRow:
     in_sync: bool
     max_abs_diff: float
     differing_ranks: tuple[int, ...]
+    max_rel_diff: float = 0.0
+    untrained_ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class BufferReport:
-    """Rows for every buffer, identical on every rank. ``reference_rank`` is the rank others are compared with."""
+    """Rows for every buffer, identical on every rank. ``reference_rank`` (global) is the rank others are compared
+    with; ``training`` is the module's train/eval mode on the reference rank."""
 
     rows: tuple[BufferRow, ...]
     ranks: tuple[int, ...]
     reference_rank: int
     atol: float
     checked: bool = field(default=True)
+    training: bool = True
 
     @property
     def in_sync(self) -> bool:
@@ -48,49 +54,42 @@ class BufferReport:
         return self.format()
 
     def format(self, only_out_of_sync: bool = False, limit: int | None = None) -> str:
-        """A plain-text table (``limit`` rows at most)."""
+        """A plain-text table (``limit`` rows at most); columns fit the longest name."""
         rows = self.out_of_sync if only_out_of_sync else list(self.rows)
         head = (f"{len(self.out_of_sync)} of {len(self.rows)} buffers differ across ranks {list(self.ranks)} "
                 f"(reference rank {self.reference_rank}, atol={self.atol:g})")
         if not self.checked:
             head = f"{len(self.rows)} buffers, not compared: no process group with more than one rank"
         shown = rows if limit is None else rows[:limit]
-        lines = [head, f"{'buffer':<40} {'dtype':<9} {'shape':<14} {'in sync':<7} {'max |diff|':>11}  differing ranks"]
-        for r in shown:
-            lines.append(f"{r.name:<40} {r.dtype:<9} {str(list(r.shape)):<14} {'yes' if r.in_sync else 'NO':<7} "
-                         f"{r.max_abs_diff:>11.4g}  {', '.join(map(str, r.differing_ranks)) or '-'}")
+        cells = [(r.name, r.dtype, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
+                  f"{r.max_rel_diff:.3g}", ", ".join(map(str, r.differing_ranks)) or "-") for r in shown]
+        titles = ("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks")
+        widths = [max([len(t)] + [len(c[i]) for c in cells]) for i, t in enumerate(titles)]
+        right = {4, 5}
+
+        def line(values: Sequence[str]) -> str:
+            return "  ".join(v.rjust(w) if i in right else v.ljust(w)
+                             for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+
+        lines = [head, line(titles), *(line(c) for c in cells)]
         if len(shown) < len(rows):
             lines.append(f"... and {len(rows) - len(shown)} more")
         return "\n".join(lines)
 
 
-def _max_abs_diff(values: list[torch.Tensor], ref: int) -> list[float]:
-    """Per rank, max |x_r - x_ref| in float64; equal values (NaN and NaN, inf and inf) count 0, NaN vs a number inf."""
-    base = values[ref].to(torch.float64) if not values[ref].is_complex() else values[ref].to(torch.complex128)
-    out = []
-    for v in values:
-        x = v.to(base.dtype)
-        if x.numel() == 0:
-            out.append(0.0)
-            continue
-        diff = (x - base).abs()
-        same = (x == base) | (torch.isnan(x) & torch.isnan(base))  # inf - inf is NaN, but inf equals inf
-        diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
-        out.append(float(diff.max()))
-    return out
-
-
 def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ignore: Iterable[str] = (),
-                  include_parameters: bool = False, timeout: _dist.Timeout = None) -> BufferReport:
+                  include_parameters: bool = False, timeout: _args.Timeout = None) -> BufferReport:
     """Compare every buffer of ``module`` across the ranks of ``group``; return the same report on every rank.
 
     With ``atol == 0`` a buffer is in sync when it is bitwise identical on every rank; with ``atol > 0``
-    when every rank is within ``atol`` of the reference rank (the group's first rank; NaN equals NaN).
-    Agreement is decided by one all_gather of a 64-bit digest per buffer (after the structure check);
-    only buffers whose digests differ are gathered to compute ``max_abs_diff`` and ``differing_ranks``.
-    Without a process group (or with world 1) every row is in sync and ``checked`` is False.
-    ``timeout`` (seconds or a timedelta) bounds each collective step; past it, or when a peer dies,
-    :class:`CollectiveError` is raised.
+    when every rank is within ``atol`` of the reference rank (the group's first; NaN equals NaN).
+    When everything agrees this costs one all_gather of three int64 (structure and content digests).
+    Otherwise one all_gather of a 64-bit digest per buffer finds the differing ones; the reference
+    rank broadcasts only those, one bucket at a time (so the extra memory is one bucket, not the
+    world size times the buffers), every rank compares its own copy, and one all_gather of a few floats
+    per differing buffer gives ``max_abs_diff`` and ``differing_ranks``. Without a process group (or
+    with world 1) every row is in sync and ``checked`` is False. ``timeout`` (seconds or a timedelta)
+    bounds the whole call; past it, or when a peer dies, :class:`CollectiveError` is raised.
 
     Example::
 
@@ -105,71 +104,150 @@ _IN_SYNC: dict[Any, BufferReport] = {}  # (structure, non-persistent names, rank
 
 
 def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterable[str], include_parameters: bool,
-            timeout: _dist.Timeout) -> BufferReport:
+            timeout: _args.Timeout) -> BufferReport:
     """buffer_report's body; ``fn`` names the public function in errors."""
-    _dist.check_module(module, fn)
-    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not atol >= 0:
-        raise InvalidArgumentError(f"{fn}(): atol must be a number >= 0, got {atol!r}")
-    ignore = _dist.check_ignore(ignore, fn)
-    timeout = _dist.check_timeout(timeout, fn)
-    g = _dist.resolve_group(group)
-    entries = _dist.named_buffers(module, ignore=ignore, include_parameters=include_parameters)
+    _args.module(module, fn)
+    atol = _args.atol(atol, fn)
+    skip = _args.ignore(ignore, fn)
+    deadline = _wire.Deadline(_args.timeout(timeout, fn))
+    g = _group.resolve(group, fn)
+    entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters)
+    transient = _modules.non_persistent_names(module)
 
-    transient = _dist.non_persistent_names(module)
-
-    def row(name: str, t: torch.Tensor, in_sync: bool = True, diff: float = 0.0, ranks: tuple[int, ...] = ()):
-        return BufferRow(name, str(t.dtype)[6:], tuple(t.shape), name not in transient, in_sync, diff, ranks)
+    def row(name: str, t: torch.Tensor, **verdict: Any) -> BufferRow:
+        return BufferRow(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), name not in transient,
+                         verdict.get("in_sync", True), verdict.get("diff", 0.0), verdict.get("ranks", ()),
+                         verdict.get("rel", 0.0), verdict.get("untrained", ()))
 
     if g is None:
-        me = 0 if not torch.distributed.is_initialized() else torch.distributed.get_rank()
-        return BufferReport(tuple(row(n, t) for n, t in entries), (me,), me, float(atol), checked=False)
-
-    try:  # unsendable tensors cannot be hashed either; the error is raised after the structure agreement
-        _dist.reject_unsupported(entries, fn)
-        unsendable = None
-    except InvalidArgumentError as e:
-        unsendable = e
+        me = _group.global_rank()
+        return BufferReport(tuple(row(n, t) for n, t in entries), (me,), me, atol, checked=False,
+                            training=module.training)
     tensors = [t for _, t in entries]
-    # one collective decides the common case: the structure digest travels with a digest of all buffer bytes
-    key = _dist.structure_key(("buffer_report", float(atol), include_parameters), entries)
-    combined = _dist.agree_on_structure(g, key[0], entries, timeout, fn, key=key,
-                                        extra=0 if unsendable else _dist.combined_digest(tensors))
-    if unsendable is not None:
-        raise unsendable  # structure agreed (it includes device, layout, dtype): every rank raises this
-    _dist.check_backend_devices(g, entries, fn)
-    if all(c == combined[0] for c in combined):  # all agree: the rows depend on the structure alone
-        cache_key = (key, frozenset(transient), g.ranks)
-        report = _IN_SYNC.get(cache_key)
+    call = (fn, atol, include_parameters)
+    problem = _transaction.unsendable(g, entries, fn)  # such tensors cannot be hashed either
+    votes = _structure.agree(g, call, entries, deadline, fn, extra=0 if problem else _digest.combined(tensors))
+    if problem is not None:
+        raise problem  # structure agreed (it includes device, layout, dtype): every rank raises this
+    if all(v[1] == votes[0][1] for v in votes):  # all agree: the rows depend on the structure alone
+        key = (call, _structure.digest(call, entries), frozenset(transient), g.ranks, module.training)
+        report = _IN_SYNC.get(key)
         if report is None:
             if len(_IN_SYNC) > 64:
                 _IN_SYNC.clear()
-            report = _IN_SYNC[cache_key] = BufferReport(tuple(row(n, t) for n, t in entries), g.ranks, g.ranks[0],
-                                                        float(atol))
+            report = _IN_SYNC[key] = BufferReport(tuple(row(n, t) for n, t in entries), g.ranks, g.ranks[0], atol,
+                                                  training=module.training)
         return report
-    # only now per-buffer digests, then the values of those that differ
-    mine = _dist.content_digests(tensors).to(g.device)
-    digests = torch.stack([d.cpu() for d in _dist.all_gather_tensor(g, mine, timeout, fn)])
-    differ: list[int] = (digests != digests[0]).any(0).nonzero().flatten().tolist()
-
+    digests = _wire.all_gather_values(g, _digest.per_tensor(tensors), deadline, fn)
+    differ = [i for i in range(len(entries)) if any(d[i] != digests[0][i] for d in digests)]
+    measured = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn)
+    untrained = _untrained_flags(module, [entries[i][0] for i in differ])
+    # one all_gather: per differing buffer, this rank's max |x - ref|, the reference's max |ref|, untrained flag;
+    # then the module's train/eval mode
+    mine = [v for (d, m), u in zip(measured, untrained) for v in (d, m, float(u))] + [float(module.training)]
+    table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)
     rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
-    if differ:
-        gathered = _dist.all_gather_coalesced(g, [entries[i][1].detach() for i in differ], timeout, fn)
-        for i, values in zip(differ, gathered):
-            diffs = _max_abs_diff([v.cpu() for v in values], 0)
-            if atol == 0:
-                bad = tuple(r for j, r in enumerate(g.ranks) if digests[j, i] != digests[0, i])
-            else:
-                bad = tuple(r for r, d in zip(g.ranks, diffs) if not d <= atol)
-            name, t = entries[i]
-            rows[i] = row(name, t, not bad, max(diffs), bad)
-    return BufferReport(tuple(rows[i] for i in range(len(entries))), g.ranks, g.ranks[0], float(atol))
+    for k, i in enumerate(differ):
+        diffs = [table[j][3 * k] for j in range(g.size)]
+        if atol == 0:
+            bad = tuple(r for j, r in enumerate(g.ranks) if digests[j][i] != digests[0][i])
+        else:
+            bad = tuple(r for r, d in zip(g.ranks, diffs) if not d <= atol)
+        worst = max(diffs)
+        scale = table[0][3 * k + 1]
+        rel = 0.0 if worst == 0 else math.inf if scale == 0 else worst / scale
+        fresh = tuple(r for j, r in enumerate(g.ranks) if table[j][3 * k + 2])
+        rows[i] = row(entries[i][0], entries[i][1], in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh)
+    return BufferReport(tuple(rows[i] for i in range(len(entries))), g.ranks, g.ranks[0], atol,
+                        training=bool(table[0][-1]))
+
+
+def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], deadline: _wire.Deadline,
+                            what: str) -> list[tuple[float, float]]:
+    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which is broadcast one
+    bucket at a time (the extra memory is one bucket)."""
+    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
+    for bucket in _wire.plan(tensors):
+        if g.me == 0:
+            space: Any = _wire.send_space(tensors, [bucket])
+        else:
+            space = _wire.receive_space([bucket])
+        _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
+        offset = 0
+        for i in bucket.indices:
+            mine = tensors[i].detach()
+            n = mine.numel()
+            ref = mine if g.me == 0 else space[0][offset:offset + n].view(mine.shape)
+            offset += n
+            out[i] = (_max_abs_diff(mine, ref), _max_abs(ref))
+        del space
+    return out
+
+
+def _as_wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _max_abs_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| in float64; equal values (NaN and NaN, inf and inf) count 0, NaN against a number inf."""
+    if x.numel() == 0:
+        return 0.0
+    a, b = _as_wide(x), _as_wide(ref)
+    diff = (a - b).abs()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # inf - inf is NaN, but inf equals inf
+    diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
+    return float(diff.max())
+
+
+def _max_abs(ref: torch.Tensor) -> float:
+    """The largest finite magnitude in ``ref`` (0 when empty or all non-finite)."""
+    wide = _as_wide(ref).abs()
+    finite = wide[torch.isfinite(wide)]
+    return float(finite.max()) if finite.numel() else 0.0
+
+
+def _untrained_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
+    """For each name, whether it is a BatchNorm statistic whose layer still holds its initial state here."""
+    fresh: set[str] = set()
+    for prefix, m in _modules.tracking_bn(module):
+        count = m.num_batches_tracked
+        if (count is None or int(count) == 0) and not m.running_mean.any() and bool((m.running_var == 1).all()):
+            p = f"{prefix}." if prefix else ""
+            fresh.update({p + "running_mean", p + "running_var", p + "num_batches_tracked"})
+    return [n in fresh for n in names]
+
+
+def advice(report: BufferReport) -> str:
+    """What to call, given what the differing buffers look like."""
+    bad = report.out_of_sync
+    stats = [r for r in bad if r.name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")]
+    untrained = sorted({u for r in stats for u in r.untrained_ranks})
+    if untrained:
+        loaded = [r for r in report.ranks if r not in untrained]
+        src = loaded[0] if loaded else report.reference_rank
+        return (f"BatchNorm statistics on rank(s) {untrained} are still at their initial values (mean 0, var 1, "
+                "count 0): they were loaded on some ranks only (a rank-0 load under ZeRO-3, say). Take the loaded "
+                f"values: zero_buffers.broadcast_buffers(module, src={report.ranks.index(src)}), or "
+                "zero_buffers.frozen_replica(module) for a frozen module; merging statistics would be wrong.")
+    if stats and not report.training:
+        return ("The module is in eval mode (frozen or loaded) but its BatchNorm statistics differ: take one "
+                "rank's with zero_buffers.broadcast_buffers(module) (or zero_buffers.frozen_replica(module)); "
+                "average_bn_stats would blend statistics that were never meant to differ.")
+    if stats:
+        return ("BatchNorm statistics were updated on each rank's own data: merge them with "
+                "zero_buffers.average_bn_stats(module) (exact mixture), or recompute them over every rank's data "
+                "with zero_buffers.recompute_bn_stats(module, loader); then every rank holds the same values.")
+    return ("Take one rank's values with zero_buffers.broadcast_buffers(module) (for statistics that each rank "
+            "updates, merge them instead).")
 
 
 def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float = 0.0, ignore: Iterable[str] = (),
-                           include_parameters: bool = False, timeout: _dist.Timeout = None) -> BufferReport:
+                           include_parameters: bool = False, timeout: _args.Timeout = None) -> BufferReport:
     """Raise :class:`BuffersOutOfSyncError` on every rank if any buffer differs across ranks; else return the report.
 
-    The message lists each offending buffer with its max abs difference and the ranks that differ.
+    The message lists each offending buffer with its max abs difference and the ranks that differ, and
+    advises by situation: statistics loaded on some ranks only or a frozen module (take one rank's values)
+    versus statistics trained per rank (merge or recompute them).
 
     Example::
 
@@ -178,8 +256,6 @@ def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float 
     report = _report("assert_buffers_in_sync", module, group, atol, ignore, include_parameters, timeout)
     if not report.in_sync:
         raise BuffersOutOfSyncError(
-            f"{type(module).__name__}: buffers out of sync across ranks.\n{report.format(only_out_of_sync=True, limit=50)}"
-            "\nFix: zero_buffers.broadcast_buffers(module) to take one rank's values, or "
-            "zero_buffers.average_bn_stats(module) to merge BatchNorm statistics.",
-            report)
+            f"{type(module).__name__}: buffers out of sync across ranks.\n"
+            f"{report.format(only_out_of_sync=True, limit=50)}\nFix: {advice(report)}", report)
     return report

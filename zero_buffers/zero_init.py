@@ -1,53 +1,41 @@
-"""Init and install(): zero.Init that broadcasts the buffers of every module built inside it when it exits."""
+"""Init and install(): zero.Init that broadcasts the buffers of every module built inside it, and a process-wide
+opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same."""
 from __future__ import annotations
 
+import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from . import _dist
-from .broadcast import broadcast_buffers, broadcast_entries
-from .errors import DeepSpeedUnavailableError, ZeroBuffersError
+from . import _args, _group, _modules, _transaction, _wire
+from ._compat import deepspeed as ds_compat
+from ._compat import transformers as hf_compat
+from .broadcast import broadcast_buffers
+from .errors import ZeroBuffersError
+from .gathered import _Commit, resolve_group
 
-_recorders: list[list[nn.Module]] = []  # one list per recording context; every built module goes to each
-_hook_users = 0
+_recorders: list[list[nn.Module]] = []  # one list per recording context; every module zero.Init converts goes to each
+_hook_undo: list[Callable[[], None]] = []
 _own_depth = 0  # active zero_buffers.Init contexts
-_originals: dict[str, Any] = {}  # what install() replaced, to put back exactly
 
 
-def _partition_parameters() -> Any:
-    """deepspeed.runtime.zero.partition_parameters, or a clear error."""
-    try:
-        from deepspeed.runtime.zero import partition_parameters
-    except ImportError as e:
-        raise DeepSpeedUnavailableError(f"zero_buffers ZeRO-3 tools need DeepSpeed: {e}") from e
-    return partition_parameters
+def _record(module: nn.Module) -> None:
+    for rec in _recorders:
+        rec.append(module)
 
 
-def _acquire_hook() -> None:
-    """Route every module zero.Init post-processes into the active recorders (refcounted patch)."""
-    global _hook_users
-    pp = _partition_parameters()
-    if _hook_users == 0:
-        original = pp.Init._post_init_method
-
-        def _post_init_method(self: Any, module: nn.Module) -> None:
-            original(self, module)
-            for rec in _recorders:
-                rec.append(module)
-
-        _post_init_method._zb_original = original  # type: ignore[attr-defined]
-        pp.Init._post_init_method = _post_init_method
-    _hook_users += 1
+def _start_recording(modules: list[nn.Module]) -> None:
+    _recorders.append(modules)
+    if len(_recorders) == 1:
+        _hook_undo.append(ds_compat.on_module_converted(_record))
 
 
-def _release_hook() -> None:
-    """Undo _acquire_hook once its last user is done."""
-    global _hook_users
-    _hook_users -= 1
-    if _hook_users == 0:
-        pp = _partition_parameters()
-        pp.Init._post_init_method = pp.Init._post_init_method._zb_original
+def _stop_recording(modules: list[nn.Module]) -> None:
+    _recorders.remove(modules)
+    if not _recorders:
+        _hook_undo.pop()()
 
 
 def _roots(modules: list[nn.Module]) -> list[nn.Module]:
@@ -62,25 +50,26 @@ def _roots(modules: list[nn.Module]) -> list[nn.Module]:
     return out
 
 
-def sync_built_modules(modules: list[nn.Module], *, failed: bool, src: int, group: Any, timeout: _dist.Timeout,
+def sync_built_modules(modules: list[nn.Module], *, failed: bool, src: int, group: Any, timeout: float | None,
                        what: str) -> int:
-    """Broadcast the buffers of modules built under zero.Init from ``src``: one structure-checked sync."""
-    g = _dist.resolve_group(group)
-    _dist.check_src(g, src)
+    """Broadcast the buffers of modules built under zero.Init from group rank ``src``: one structure-checked sync."""
+    g = _group.resolve(group, what)
+    _group.check_src(g, src, what)
     if g is None:
         return 0
-    _dist.require_all_succeeded(g, failed, timeout, what, "buffers of the modules built inside were not broadcast")
     entries, seen = [], set()
     for k, root in enumerate(_roots(modules)):
-        for name, buf in _dist.named_buffers(root):
+        for name, buf in _modules.named_buffers(root):
             if id(buf) not in seen:
                 seen.add(id(buf))
                 entries.append((f"{type(root).__name__}#{k}.{name}", buf))
-    return broadcast_entries(g, entries, src, timeout, what)
+    return _transaction.broadcast(g, entries, src, (what,), _wire.Deadline(timeout), what,
+                                  failure="the body raised" if failed else None,
+                                  unchanged="buffers of the modules built inside were not broadcast",
+                                  step="the body raised, or the sync could not start,")
 
 
-def _finish(modules: list[nn.Module], exc_type: Any, src: int, group: Any, timeout: _dist.Timeout,
-            what: str) -> None:
+def _finish(modules: list[nn.Module], exc_type: Any, src: int, group: Any, timeout: float | None, what: str) -> None:
     """Sync at the end of a recording context; the body's own exception wins over ours."""
     try:
         sync_built_modules(modules, failed=exc_type is not None, src=src, group=group, timeout=timeout, what=what)
@@ -94,9 +83,10 @@ class Init:
 
     When the outermost ``zero_buffers.Init`` exits, the buffers of every module constructed inside it
     (including inside nested Init contexts) are broadcast from rank ``src`` of the data-parallel group
-    with one structure-checked, coalesced sync. Parameters are partitioned by DeepSpeed as usual.
-    ``Init(module=m)`` (converting an existing module) broadcasts ``m``'s buffers at once. If the
-    body raised on some ranks only, nothing is broadcast and the others raise :class:`ZeroBuffersError`.
+    (a rank within that group) with one structure-checked, all-or-nothing sync. Parameters are
+    partitioned by DeepSpeed as usual. ``Init(module=m)`` (converting an existing module) broadcasts
+    ``m``'s buffers at once. If the body raised on some ranks only, nothing is broadcast and the others
+    raise :class:`SyncAbortedError`.
 
     Example::
 
@@ -105,19 +95,22 @@ class Init:
         # here every rank holds rank 0's codebook and BatchNorm buffers
     """
 
-    def __init__(self, *args: Any, src: int = 0, timeout: _dist.Timeout = None, **kwargs: Any):
-        pp = _partition_parameters()
-        src = _dist.check_rank_arg(src, "src", "zero_buffers.Init")
-        timeout = _dist.check_timeout(timeout, "zero_buffers.Init")
+    def __init__(self, *args: Any, src: int = 0, timeout: _args.Timeout = None, **kwargs: Any):
+        pp = ds_compat.partition_parameters()
+        self._src = _args.rank(src, "src", "zero_buffers.Init")
+        self._timeout = _args.timeout(timeout, "zero_buffers.Init")
         self._ds = pp.Init(*args, **kwargs)
-        self._src, self._timeout = src, timeout
-        self._group = kwargs.get("data_parallel_group")
         self._modules: list[nn.Module] = []
         self._outermost = False
         module = kwargs.get("module", args[0] if args else None)
         if module is not None and self._ds.enabled:
-            sync_built_modules([module], failed=False, src=src, group=self._group, timeout=timeout,
+            sync_built_modules([module], failed=False, src=self._src, group=self._group, timeout=self._timeout,
                                what="zero_buffers.Init(module=...)")
+
+    @property
+    def _group(self) -> Any:
+        """The data-parallel group DeepSpeed partitions over (None: the world)."""
+        return getattr(self._ds, "ds_process_group", None)
 
     def __getattr__(self, name: str) -> Any:
         if "_ds" not in self.__dict__:
@@ -130,8 +123,7 @@ class Init:
             return self
         self._outermost = _own_depth == 0
         if self._outermost:
-            _recorders.append(self._modules)
-            _acquire_hook()
+            _start_recording(self._modules)
         _own_depth += 1
         try:
             self._ds.__enter__()
@@ -145,8 +137,7 @@ class Init:
         global _own_depth
         _own_depth -= 1
         if self._outermost:
-            _recorders.remove(self._modules)
-            _release_hook()
+            _stop_recording(self._modules)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         if not self._ds.enabled:
@@ -159,6 +150,12 @@ class Init:
             modules, self._modules = self._modules, []
             _finish(modules, exc_type, self._src, self._group, self._timeout, "zero_buffers.Init")
         return False
+
+
+# ---- install(): every zero.Init, every GatheredParameters(modifier_rank=r), from_pretrained ------------------------
+_undo: list[Callable[[], None]] = []  # what install() changed, undone in reverse by uninstall()
+_owners: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # ds_id -> owning module
+_warned: set[str] = set()
 
 
 class _Installed:
@@ -176,97 +173,184 @@ class _Installed:
         return False
 
 
-def install(*, src: int = 0, timeout: _dist.Timeout = None) -> _Installed:
-    """Make every ``deepspeed.zero.Init`` in this process sync buffers when its outermost context exits.
+def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
+    """Make DeepSpeed (and transformers) keep buffers in sync wherever they build or load a ZeRO-3 model.
 
-    That covers the contexts transformers' ``from_pretrained`` / ``from_config`` and Accelerate open
-    for you; under ZeRO-3 the buffers of a model transformers initialises after loading (weights and
-    non-persistent buffers missing from the checkpoint) are broadcast again once that is done.
-    Opt-in and process-wide; idempotent (a second call changes nothing); :func:`uninstall` restores
-    DeepSpeed (and transformers) exactly. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError`
-    if DeepSpeed cannot be imported; without a process group the sync is a no-op.
+    Opt-in and process-wide. While installed, with ``src`` a rank within each data-parallel group:
+
+    * every ``deepspeed.zero.Init`` (including those transformers' ``from_pretrained`` / ``from_config``
+      and Accelerate open for you) broadcasts the buffers of every module built inside when its
+      outermost context exits;
+    * every ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` (DeepSpeed's documented
+      ``if rank == 0: module.load_state_dict(...)`` pattern, transformers 4.x loading, DeepSpeed's own
+      ``load_checkpoint`` and 16-bit export) behaves like :class:`GatheredParametersAndBuffers`: the
+      buffers of the modules that own the gathered parameters (learned when zero.Init converted them)
+      are broadcast from ``r`` together with the parameters, all or nothing. A call with no ZeRO
+      parameter stays a no-op (as in DeepSpeed) and warns once, since zero_buffers cannot tell which
+      buffers its body changes;
+    * ``PreTrainedModel.from_pretrained`` under ZeRO-3 broadcasts every buffer of the loaded model from
+      ``src`` before returning (transformers 4.x loads checkpoint buffers on rank 0 only; 5.x misses
+      non-persistent ones and those computed at init).
+
+    Idempotent (a second call changes nothing); :func:`uninstall` puts back DeepSpeed's and transformers'
+    identical methods. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError` if DeepSpeed
+    cannot be imported; without a process group every sync is a no-op.
 
     Example::
 
         zero_buffers.install()
         model = AutoModel.from_pretrained(path)   # under ZeRO-3: buffers now agree on every rank
     """
-    pp = _partition_parameters()
-    src = _dist.check_rank_arg(src, "src", "install")
-    timeout = _dist.check_timeout(timeout, "install")
-    if _originals:
+    ds_compat.partition_parameters()
+    src = _args.rank(src, "src", "install")
+    seconds = _args.timeout(timeout, "install")
+    if _undo:
         return _Installed(owner=False)
-    base = pp.InsertPostInitMethodToModuleSubClasses
-    enter, exit_ = base.__dict__["__enter__"], base.__dict__["__exit__"]
-
-    def __enter__(self: Any) -> Any:
-        if not (self.enabled and pp.zero_init_context == 0 and _own_depth == 0):
-            return enter(self)
-        self._zb_modules = []
-        _recorders.append(self._zb_modules)
-        _acquire_hook()
-        try:
-            return enter(self)
-        except BaseException:
-            _recorders.remove(self.__dict__.pop("_zb_modules"))  # leave no recorder behind
-            _release_hook()
-            raise
-
-    def __exit__(self: Any, exc_type: Any, exc: Any, tb: Any) -> Any:
-        result = exit_(self, exc_type, exc, tb)
-        modules = self.__dict__.pop("_zb_modules", None)
-        if modules is not None and pp.zero_init_context == 0:
-            _recorders.remove(modules)
-            _release_hook()
-            group = getattr(self, "ds_process_group", None)
-            _finish(modules, exc_type, src, group, timeout, "zero.Init (zero_buffers.install)")
-        return result
-
-    _originals.update(enter=enter, exit=exit_)
-    base.__enter__, base.__exit__ = __enter__, __exit__
-    _patch_transformers(src, timeout)
+    try:
+        _undo.append(ds_compat.on_module_converted(_remember_owner))
+        _undo.append(_patch_init_context(src, seconds))
+        _undo.append(_patch_gathered_parameters(seconds))
+        undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds))
+        if undo_hf is not None:
+            _undo.append(undo_hf)
+    except BaseException:
+        uninstall()
+        raise
     return _Installed(owner=True)
 
 
-def _patch_transformers(src: int, timeout: _dist.Timeout) -> None:
-    """Also sync after transformers' own post-load init (compat shim around a private transformers method).
-
-    transformers 5 re-initialises weights and non-persistent buffers that the checkpoint lacks in
-    ``PreTrainedModel._initialize_missing_keys``, after the zero.Init context has exited; under ZeRO-3
-    only parameters are broadcast there (``GatheredParameters(modifier_rank=0)``). Where the method
-    does not exist (other transformers versions) nothing is patched and the zero.Init exit sync remains.
-    """
-    try:
-        from transformers import modeling_utils
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    except ImportError:
-        return
-    cls = modeling_utils.PreTrainedModel
-    original = cls.__dict__.get("_initialize_missing_keys")
-    if original is None:
-        return
-
-    def _initialize_missing_keys(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if is_deepspeed_zero3_enabled():
-            broadcast_buffers(self, src=src, timeout=timeout)
-        return result
-
-    _originals["transformers"] = (cls, original)
-    cls._initialize_missing_keys = _initialize_missing_keys
-
-
 def uninstall() -> None:
-    """Undo :func:`install`, restoring DeepSpeed's methods exactly. A no-op when not installed."""
-    if not _originals:
-        return
-    base = _partition_parameters().InsertPostInitMethodToModuleSubClasses
-    base.__enter__, base.__exit__ = _originals.pop("enter"), _originals.pop("exit")
-    if "transformers" in _originals:
-        cls, original = _originals.pop("transformers")
-        cls._initialize_missing_keys = original
+    """Undo :func:`install`, restoring DeepSpeed's and transformers' methods exactly. A no-op when not installed."""
+    while _undo:
+        _undo.pop()()
+    _owners.clear()
 
 
 def installed() -> bool:
     """Whether :func:`install` is active."""
-    return bool(_originals)
+    return bool(_undo)
+
+
+def _remember_owner(module: nn.Module) -> None:
+    for p in module._parameters.values():
+        if p is not None and ds_compat.is_zero_param(p):
+            _owners[p.ds_id] = module
+
+
+def _patch_init_context(src: int, timeout: float | None) -> Callable[[], None]:
+    """Every outermost zero.Init (not inside zero_buffers.Init) records its modules and syncs them on exit."""
+    base = ds_compat.init_context_class()
+
+    def make_enter(enter: Any) -> Any:
+        def __enter__(self: Any) -> Any:
+            if not (self.enabled and ds_compat.init_depth() == 0 and _own_depth == 0):
+                return enter(self)
+            self._zb_modules = []
+            _start_recording(self._zb_modules)
+            try:
+                return enter(self)
+            except BaseException:
+                _stop_recording(self.__dict__.pop("_zb_modules"))  # leave no recorder behind
+                raise
+        return __enter__
+
+    def make_exit(exit_: Any) -> Any:
+        def __exit__(self: Any, exc_type: Any, exc: Any, tb: Any) -> Any:
+            result = exit_(self, exc_type, exc, tb)
+            modules = self.__dict__.pop("_zb_modules", None)
+            if modules is not None and ds_compat.init_depth() == 0:
+                _stop_recording(modules)
+                _finish(modules, exc_type, src, getattr(self, "ds_process_group", None), timeout,
+                        "zero.Init (zero_buffers.install)")
+            return result
+        return __exit__
+
+    undo_enter = ds_compat.replace(base, "__enter__", make_enter)
+    undo_exit = ds_compat.replace(base, "__exit__", make_exit)
+
+    def undo() -> None:
+        undo_exit()
+        undo_enter()
+    return undo
+
+
+def _owner_entries(owners: list[nn.Module]) -> Callable[[], list[_modules.Entry]]:
+    """The owners' own buffers (not their children's: those have GatheredParameters calls of their own), named by
+    the smallest ds_id of each owner's parameters (the same on every rank)."""
+    def entries() -> list[_modules.Entry]:
+        out = []
+        for m in owners:
+            ids = [p.ds_id for p in m._parameters.values() if p is not None and ds_compat.is_zero_param(p)]
+            tag = f"<owner of ds_id={min(ids)}>" if ids else f"<owner {type(m).__name__}>"
+            out += [(f"{tag}.{k}", b) for k, b in m._buffers.items() if b is not None]
+        return out
+    return entries
+
+
+def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
+    """DeepSpeed's GatheredParameters with modifier_rank set runs zero_buffers' commit (parameters and the owners'
+    buffers, all or nothing); with modifier_rank=None it is DeepSpeed's own."""
+    cls = ds_compat.gathered_parameters_class()
+    init, enter, exit_ = (ds_compat.original(n) for n in ("init", "enter", "exit"))
+
+    def make_init(_: Any) -> Any:
+        def __init__(self: Any, params: Any = None, modifier_rank: int | None = None, fwd_module: Any = None,
+                     enabled: bool = True, **kwargs: Any) -> None:
+            init(self, params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled, **kwargs)
+            self._zb_commit = None
+            if modifier_rank is None or not enabled:
+                return
+            if not self.enabled:
+                _warn_once("no-zero", "zero_buffers.install(): GatheredParameters(modifier_rank=...) got no ZeRO "
+                           "parameter, so it is a no-op (in DeepSpeed too) and zero_buffers cannot tell which buffers "
+                           "its body changes; if the body loads buffers on one rank, call "
+                           "zero_buffers.broadcast_buffers(module, src=that_rank) afterwards on every rank")
+                return
+            zero = sorted(self.params, key=lambda p: p.ds_id)
+            owners = list({id(m): m for p in zero if (m := _owners.get(p.ds_id)) is not None}.values())
+            g = resolve_group(None, zero, "GatheredParameters (zero_buffers.install)")
+            _group.check_src(g, modifier_rank, "GatheredParameters (zero_buffers.install)", "modifier_rank")
+            self._zb_commit = _Commit(ds_compat.Gather((), ctx=self), owners, _owner_entries(owners), g,
+                                      modifier_rank, timeout, snapshot=True)
+        return __init__
+
+    def make_enter(_: Any) -> Any:
+        def __enter__(self: Any) -> Any:
+            commit = self.__dict__.get("_zb_commit")
+            if commit is None:
+                return enter(self)
+            commit.enter()
+            return None
+        return __enter__
+
+    def make_exit(_: Any) -> Any:
+        def __exit__(self: Any, *exc: Any) -> Any:
+            commit = self.__dict__.get("_zb_commit")
+            if commit is None:
+                return exit_(self, *exc)
+            commit.exit(exc[1] if len(exc) > 1 else None)
+            return None
+        return __exit__
+
+    undos = [ds_compat.replace(cls, "__init__", make_init), ds_compat.replace(cls, "__enter__", make_enter),
+             ds_compat.replace(cls, "__exit__", make_exit)]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return undo
+
+
+def _after_from_pretrained(model: Any, src: int, timeout: float | None) -> None:
+    """Under ZeRO-3, every buffer of a model transformers just loaded takes ``src``'s value (over its DP group)."""
+    if not isinstance(model, nn.Module) or not hf_compat.zero3_enabled():
+        return
+    zero = [p for p in model.parameters() if ds_compat.is_zero_param(p)]
+    group = ds_compat.process_group(zero[0]) if zero else None
+    broadcast_buffers(model, src=src, group=group, timeout=timeout)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

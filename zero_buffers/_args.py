@@ -1,0 +1,87 @@
+"""Argument checks every public function runs at the call, before any collective (one validator per kind)."""
+from __future__ import annotations
+
+import datetime
+import math
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import InvalidArgumentError, InvalidSourceRankError
+
+Timeout = float | datetime.timedelta | None
+"""Seconds (> 0), a timedelta, or None (no bound) for the whole call."""
+
+# c10d adds a wait's timeout to a nanosecond steady clock, which overflows (and then "times out" at
+# once) from about 1e10 s; timeouts of this many seconds (11.6 days) or more mean no bound.
+MAX_WAIT_S = 1e6
+
+
+def module(value: Any, fn: str) -> nn.Module:
+    """``value`` if it is an nn.Module, else InvalidArgumentError with a hint for the usual mistakes."""
+    if isinstance(value, nn.Module):
+        return value
+    if isinstance(value, torch.Tensor):
+        hint = " (pass the module that owns it, not a parameter or tensor)"
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        hint = " (pass the module itself, not module.parameters()/buffers() or a list; wrap several in nn.ModuleList)"
+    else:
+        hint = ""
+    raise InvalidArgumentError(f"{fn}() expects a torch.nn.Module, got {type(value).__name__}{hint}")
+
+
+def ignore(value: Any, fn: str) -> tuple[str, ...]:
+    """``value`` as a tuple of buffer names or module paths (a bare str is refused, not split into letters)."""
+    if isinstance(value, (str, bytes)):
+        raise InvalidArgumentError(
+            f"{fn}(): ignore must be a collection of buffer names or module paths, got the bare string {value!r}; "
+            f"write ignore=({value!r},)")
+    if not isinstance(value, Iterable):
+        raise InvalidArgumentError(f"{fn}(): ignore must be a collection of str, got {type(value).__name__}")
+    names = tuple(value)
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise InvalidArgumentError(f"{fn}(): ignore must hold str names, got {type(bad[0]).__name__} {bad[0]!r}")
+    return names
+
+
+def timeout(value: Any, fn: str) -> float | None:
+    """``value`` in seconds (None for no bound: None, inf and >= MAX_WAIT_S), else InvalidArgumentError."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise InvalidArgumentError(
+            f"{fn}(): timeout must be seconds (a number > 0), a datetime.timedelta or None, got "
+            f"{type(value).__name__} {value!r:.40}")
+    if math.isnan(seconds) or seconds <= 0:
+        raise InvalidArgumentError(f"{fn}(): timeout must be > 0 seconds (None waits forever), got {value!r}")
+    return None if seconds >= MAX_WAIT_S else seconds
+
+
+def atol(value: Any, fn: str) -> float:
+    """``value`` as a float >= 0, else InvalidArgumentError."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise InvalidArgumentError(f"{fn}(): atol must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def rank(value: Any, name: str, fn: str, *, optional: bool = False) -> int | None:
+    """Every rank argument (``src``, ``modifier_rank``): an int >= 0 (NumPy ints and 0-dim integer tensors too;
+    None when ``optional``), else InvalidSourceRankError. Whether it is in the group is checked later."""
+    if value is None and optional:
+        return None
+    try:
+        r = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        r = None
+    if r is None or r < 0:
+        raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank{' or None' if optional else ''}, "
+                                     f"got {value!r:.40}")
+    return r

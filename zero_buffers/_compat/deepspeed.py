@@ -1,0 +1,222 @@
+"""Private DeepSpeed APIs zero_buffers relies on: ZeRO-3 parameter attributes, zero.Init's module hook and context
+globals, GatheredParameters' internals, and the forward hooks a ZeRO-3 engine puts on every submodule.
+
+Checked against DeepSpeed 0.16 and 0.19; :func:`partition_parameters` raises DependencyError when the
+installed version lacks one of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import DeepSpeedUnavailableError
+from . import missing, replace, version
+
+DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # set by GatheredParameters on the params it holds (0.17+)
+_ORIGINAL: dict[str, Any] = {}  # GatheredParameters' own methods, kept before anyone patches the class
+
+
+def is_zero_param(t: Any) -> bool:
+    """A parameter partitioned by ZeRO-3 (DeepSpeed marks them with ``ds_id``); needs no DeepSpeed import."""
+    return hasattr(t, "ds_id")
+
+
+def loaded() -> Any:
+    """``deepspeed.runtime.zero.partition_parameters`` if DeepSpeed was imported already, else None."""
+    return sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+
+
+def partition_parameters() -> Any:
+    """``deepspeed.runtime.zero.partition_parameters``, checked for everything this module uses."""
+    try:
+        from deepspeed.runtime.zero import partition_parameters as pp
+    except ImportError as e:
+        raise DeepSpeedUnavailableError(f"zero_buffers' ZeRO-3 tools need DeepSpeed: {e}", "deepspeed",
+                                        version("deepspeed")) from e
+    if not _ORIGINAL:
+        needed = ("GatheredParameters", "Init", "InsertPostInitMethodToModuleSubClasses", "shutdown_init_context",
+                  "restore_init_context")
+        absent = [n for n in needed if not hasattr(pp, n)]
+        if absent or not hasattr(pp.Init, "_post_init_method"):
+            raise missing("deepspeed", "partition_parameters." + (absent[0] if absent else "Init._post_init_method"))
+        cls = pp.GatheredParameters
+        _ORIGINAL.update(init=cls.__init__, enter=cls.__enter__, exit=cls.__exit__)
+    return pp
+
+
+def process_group(p: Any) -> Any:
+    """The process group a ZeRO parameter is partitioned over (None: the world)."""
+    return getattr(p, "ds_process_group", None)
+
+
+def held(p: Any) -> bool:
+    """Whether a GatheredParameters context holds ``p`` gathered right now (known on DeepSpeed 0.17+ only)."""
+    return getattr(p, DEPTH_ATTR, 0) > 0
+
+
+class Gather:
+    """DeepSpeed's own GatheredParameters over ZeRO parameters (sorted by ds_id, duplicates and non-ZeRO tensors
+    dropped), driven with its original methods. :meth:`close` re-partitions in one of three ways: ``"own"``
+    (DeepSpeed's exit as written), ``"updated"`` (each shard takes its slice of the gathered data, nothing is
+    broadcast: zero_buffers moved the data already) or ``"discard"`` (shards keep their values from before)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], fwd_module: nn.Module | None = None, *,
+                 modifier_rank: int | None = None, ctx: Any = None):
+        pp = partition_parameters()
+        if ctx is None:
+            ctx = object.__new__(pp.GatheredParameters)
+            zero = sorted({id(p): p for p in params if is_zero_param(p)}.values(), key=lambda p: p.ds_id)
+            _ORIGINAL["init"](ctx, zero, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=bool(zero))
+        self._ctx = ctx
+        self.params: list[torch.Tensor] = list(getattr(ctx, "params", None) or []) if ctx.enabled else []
+        if ctx.enabled and not self.params:
+            raise missing("deepspeed", "GatheredParameters.params")
+        self._open = False
+
+    def __enter__(self) -> Gather:
+        if self.params:
+            _ORIGINAL["enter"](self._ctx)
+            self._open = True
+        return self
+
+    def close(self, how: str = "own") -> None:
+        """Re-partition the parameters (once; later calls do nothing)."""
+        if not self._open:
+            return
+        self._open = False
+        ctx = self._ctx
+        if how == "own":
+            _ORIGINAL["exit"](ctx, None, None, None)
+            return
+        updated = how == "updated"
+        if not hasattr(type(ctx), "_exit"):  # before 0.17, __exit__ does nothing else than partition
+            ctx.params[0].partition(param_list=ctx.params, has_been_updated=updated)
+            return
+
+        def partition(*_exc: Any) -> None:  # replaces _exit for this call: __exit__'s bookkeeping still runs
+            params = ctx._params_to_partition() if hasattr(ctx, "_params_to_partition") else ctx.params
+            if updated and hasattr(ctx, "_record_deferred_updates"):
+                ctx._record_deferred_updates(params)
+            if params:
+                params[0].partition(param_list=params, has_been_updated=updated)
+
+        ctx._exit = partition
+        try:
+            _ORIGINAL["exit"](ctx, None, None, None)
+        finally:
+            del ctx._exit
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close("own")
+
+
+def _is_zero3_hook(fn: Any) -> bool:
+    """A forward (pre-)hook DeepSpeed registered (ZeRO-3's parameter offload: it gathers and releases parameters;
+    some are wrapped by ``deepspeed.utils.nvtx``, which keeps no ``__wrapped__``)."""
+    return str(getattr(fn, "__module__", "")).startswith("deepspeed.")
+
+
+@contextlib.contextmanager
+def zero3_hooks_suspended(module: nn.Module) -> Iterator[None]:
+    """Forwards of ``module`` without the ZeRO-3 engine's gather/release hooks (for parameters gathered
+    beforehand: then a forward issues no collective). The hooks are put back in their order on exit."""
+    saved = []
+    for m in module.modules():
+        for table in (m._forward_pre_hooks, m._forward_hooks):
+            if any(_is_zero3_hook(fn) for fn in table.values()):
+                saved.append((table, dict(table)))
+                for key in [k for k, fn in table.items() if _is_zero3_hook(fn)]:
+                    del table[key]
+    try:
+        yield
+    finally:
+        for table, items in saved:
+            table.clear()
+            table.update(items)
+
+
+ENGINE_SAVE_METHODS = ("save_checkpoint", "save_16bit_model", "_zero3_consolidated_16bit_state_dict")
+"""DeepSpeed engine methods that write a checkpoint, or build the state dict one is written from."""
+
+
+def is_engine(obj: Any) -> bool:
+    """True for a DeepSpeed engine (checked by class name, so DeepSpeed need not be imported)."""
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
+
+
+def engine_is_zero3(engine: Any) -> bool:
+    """Whether a DeepSpeed engine partitions parameters (ZeRO stage 3)."""
+    method = getattr(engine, "zero_optimization_partition_weights", None)
+    if method is None:
+        raise missing("deepspeed", "DeepSpeedEngine.zero_optimization_partition_weights")
+    return bool(method())
+
+
+def suspend_init_context() -> Any:
+    """Leave an active ``zero.Init`` (its class patches) as ``deepspeed.initialize`` does; returns the context to
+    hand to :func:`resume_init_context`, or None when none was active. ``Init(enabled=False)`` does not escape."""
+    pp = loaded()
+    if pp is None:
+        return None
+    ctx = getattr(pp, "top_level_context", None)
+    if ctx is None or not getattr(ctx, "patched", False):
+        return None
+    pp.shutdown_init_context()
+    return ctx
+
+
+def resume_init_context(ctx: Any) -> None:
+    """Re-patch the context :func:`suspend_init_context` left (if it is still the active one)."""
+    pp = loaded()
+    if ctx is not None and pp is not None and pp.top_level_context is ctx:
+        pp.restore_init_context()
+
+
+_converted: list[Callable[[nn.Module], None]] = []
+_undo_converted: list[Callable[[], None]] = []
+
+
+def on_module_converted(callback: Callable[[nn.Module], None]) -> Callable[[], None]:
+    """Call ``callback(module)`` after zero.Init has partitioned each module's own parameters (DeepSpeed's
+    ``Init._post_init_method``); returns the undo. One patch however many callbacks."""
+    pp = partition_parameters()
+    if not _converted:
+        def make(original: Any) -> Any:
+            def _post_init_method(self: Any, module: nn.Module) -> None:
+                original(self, module)
+                for cb in list(_converted):
+                    cb(module)
+            return _post_init_method
+        _undo_converted.append(replace(pp.Init, "_post_init_method", make))
+    _converted.append(callback)
+
+    def undo() -> None:
+        _converted.remove(callback)
+        if not _converted:
+            _undo_converted.pop()()
+    return undo
+
+
+def init_depth() -> int:
+    """How many zero.Init contexts are active (DeepSpeed's module global ``zero_init_context``)."""
+    return int(partition_parameters().zero_init_context)
+
+
+def init_context_class() -> type:
+    """The base class whose ``__enter__`` / ``__exit__`` every ``zero.Init`` runs."""
+    return partition_parameters().InsertPostInitMethodToModuleSubClasses
+
+
+def gathered_parameters_class() -> type:
+    return partition_parameters().GatheredParameters
+
+
+def original(name: str) -> Any:
+    """GatheredParameters' own ``init`` / ``enter`` / ``exit``, as DeepSpeed defined them."""
+    partition_parameters()
+    return _ORIGINAL[name]

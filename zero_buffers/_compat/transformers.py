@@ -1,0 +1,69 @@
+"""Private transformers APIs: the global ZeRO-3 flag (a weakref to an HfDeepSpeedConfig) that makes
+``from_pretrained`` / ``from_config`` build under ``deepspeed.zero.Init``."""
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import missing, replace
+
+_WEAKREF = "_hf_deepspeed_config_weak_ref"
+
+
+def _deepspeed_integration() -> Any:
+    """``transformers.integrations.deepspeed`` if transformers was imported already, else None."""
+    return sys.modules.get("transformers.integrations.deepspeed")
+
+
+def suspend_zero3_flag() -> tuple | None:
+    """Unset transformers' global ZeRO-3 config if set; returns what :func:`restore_zero3_flag` needs."""
+    hf = _deepspeed_integration()
+    if hf is None:
+        return None
+    if not hasattr(hf, _WEAKREF) or not hasattr(hf, "unset_hf_deepspeed_config"):
+        raise missing("transformers", f"integrations.deepspeed.{_WEAKREF} / unset_hf_deepspeed_config")
+    ref = getattr(hf, _WEAKREF)
+    if ref is None:
+        return None
+    state = (hf, ref, ref())  # the strong reference keeps the config alive while it is unset
+    hf.unset_hf_deepspeed_config()
+    return state
+
+
+def restore_zero3_flag(state: tuple | None) -> None:
+    """Undo :func:`suspend_zero3_flag`."""
+    if state is not None:
+        hf, ref, _ = state
+        setattr(hf, _WEAKREF, ref)
+
+
+def zero3_enabled() -> bool:
+    """transformers' own ``is_deepspeed_zero3_enabled()`` (False when transformers was not imported)."""
+    hf = _deepspeed_integration()
+    return bool(hf is not None and hf.is_deepspeed_zero3_enabled())
+
+
+def wrap_from_pretrained(after: Callable[[Any], None]) -> Callable[[], None] | None:
+    """Make ``PreTrainedModel.from_pretrained`` call ``after(model)`` before returning; returns the undo, or None
+    when transformers cannot be imported."""
+    try:
+        from transformers import modeling_utils
+    except ImportError:
+        return None
+    cls = modeling_utils.PreTrainedModel
+    if not isinstance(vars(cls).get("from_pretrained"), classmethod):
+        raise missing("transformers", "PreTrainedModel.from_pretrained as a classmethod")
+
+    def make(original: classmethod) -> classmethod:
+        func = original.__func__
+
+        @functools.wraps(func)
+        def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
+            result = func(klass, *args, **kwargs)
+            after(result[0] if isinstance(result, tuple) else result)  # output_loading_info=True gives a tuple
+            return result
+        return classmethod(from_pretrained)
+
+    return replace(cls, "from_pretrained", make)

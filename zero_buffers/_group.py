@@ -1,0 +1,97 @@
+"""The process group a call runs over, and the one rank convention: rank arguments are ranks *within* the group.
+
+``src=1`` with a group of global ranks (4, 5, 6, 7) means global rank 5, as DeepSpeed's ``modifier_rank``
+and torch's ``group_src`` mean it; over the default group both conventions coincide. Reports and error
+messages name global ranks (the ones in your logs).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedSetupError, InvalidArgumentError, InvalidSourceRankError
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group resolved for one call: its members (global ranks, in group order) and this rank's place."""
+
+    pg: Any
+    ranks: tuple[int, ...]
+    me: int
+    backend: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.me]
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of member ``group_rank``."""
+        return self.ranks[group_rank]
+
+    @property
+    def device(self) -> torch.device:
+        """Device for the small control tensors (nccl only carries CUDA tensors)."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if initialized() else 0
+
+
+def resolve(group: Any, fn: str) -> Group | None:
+    """``group`` (a ProcessGroup, or None for the default one) for this call; None means there is nothing to
+    synchronise: no process group, a group of one, or this rank is not a member."""
+    if dist.is_available() and not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER
+                                    or isinstance(group, dist.ProcessGroup)):
+        raise InvalidArgumentError(
+            f"{fn}(): group must be a torch.distributed ProcessGroup (or None for the default group), got "
+            f"{type(group).__name__} {group!r:.60}")
+    if not initialized():
+        env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+        if env_world.isdigit() and int(env_world) > 1:
+            raise DistributedSetupError(
+                f"{fn}(): WORLD_SIZE={env_world} is set but torch.distributed has no process group; call "
+                "torch.distributed.init_process_group (or deepspeed.init_distributed) first")
+        return None
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise InvalidArgumentError(f"{fn}(): group {pg!r:.60} is not a live process group (destroyed?): {e}") from e
+    me = dist.get_rank()
+    if len(ranks) <= 1 or me not in ranks:
+        return None
+    return Group(pg=group, ranks=ranks, me=ranks.index(me), backend=str(dist.get_backend(pg)))
+
+
+def check_src(g: Group | None, src: int, fn: str, name: str = "src") -> None:
+    """InvalidSourceRankError unless ``src`` is a rank within the group (checked before any collective)."""
+    if g is None:
+        if not initialized() and src != 0:
+            raise InvalidSourceRankError(f"{fn}(): {name}={src} but torch.distributed is not initialised (the only "
+                                         "rank is 0)")
+        return  # world 1, or not a member: the call is a no-op
+    if not 0 <= src < g.size:
+        where = "the world" if g.pg is None else f"the group (global ranks {list(g.ranks)})"
+        raise InvalidSourceRankError(
+            f"{fn}(): {name}={src} is not a rank of {where}: ranks are counted within the group, 0 to {g.size - 1} "
+            f"(rank {g.rank})")

@@ -1,0 +1,146 @@
+"""Structure agreement: what every rank is about to send, as data; its digest; the error when ranks differ.
+
+A call's structure is its arguments plus one :class:`Spec` per tensor (name, dtype, shape, device, layout).
+It decides the number, order and size of every collective the call issues (buckets are cut by device and
+dtype), so ranks first compare a 64-bit digest of it, together with a status code and a 64-bit extra
+value, in one all_gather of three int64: the first collective of every public function. Only when the
+digests differ are the full structures gathered, to name the first differing buffer.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _wire
+from ._group import Group
+from ._modules import Entry
+from .errors import BufferStructureError
+
+VERSION = "zero_buffers/2"  # part of every digest: ranks running different wire formats never match
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor as structure agreement sees it. ``device`` is the device type, with ``#k`` for this rank's
+    k-th distinct device of that type (k > 0): ranks on cuda:0 and cuda:1 match, one rank spread over two
+    GPUs does not match one on a single GPU."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    layout: str = "strided"
+
+    def text(self) -> str:
+        """``float32[4] cpu`` (plus `` sparse_coo`` for a non-strided layout)."""
+        layout = "" if self.layout == "strided" else f" {self.layout}"
+        return f"{self.dtype}{list(self.shape)} {self.device}{layout}"
+
+
+def specs(entries: Sequence[tuple[str, Any]]) -> list[Spec]:
+    """The :class:`Spec` of every entry; an entry may carry a ready-made Spec instead of a tensor."""
+    slots: dict[torch.device, str] = {}
+    per_type: dict[str, int] = {}
+    out = []
+    for name, t in entries:
+        if isinstance(t, Spec):
+            out.append(t)
+            continue
+        slot = slots.get(t.device)
+        if slot is None:
+            k = per_type.get(t.device.type, 0)
+            per_type[t.device.type] = k + 1
+            slot = slots[t.device] = t.device.type if k == 0 else f"{t.device.type}#{k}"
+        out.append(Spec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), slot,
+                        str(t.layout).removeprefix("torch.")))
+    return out
+
+
+def digest_bytes(data: bytes | memoryview) -> int:
+    """Signed first 64 bits of SHA-1 over ``data`` (a checksum, not for security)."""
+    return int.from_bytes(hashlib.sha1(data, usedforsecurity=False).digest()[:8], "little", signed=True)
+
+
+_CACHE: dict[tuple, int] = {}  # structure key -> digest; describing every tensor is the slow part
+
+
+def digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
+    """64-bit digest of ``call`` and the structure of ``entries`` (cached per structure)."""
+    key = (call, tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout)
+                       for n, t in entries))
+    found = _CACHE.get(key)
+    if found is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        described = [(s.name, s.text()) for s in specs(entries)]
+        found = _CACHE[key] = digest_bytes(repr((VERSION, _wire.BUCKET_BYTES, call, described)).encode())
+    return found
+
+
+def agree(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], deadline: _wire.Deadline, what: str, *,
+          status: int = 0, extra: int = 0) -> list[tuple[int, int]]:
+    """Raise the same BufferStructureError on every rank unless every rank passes equal ``call`` and structure.
+
+    One all_gather of [digest, ``status``, ``extra``]; returns each member's (status, extra) in group order
+    (callers vote with ``status``; buffer_report sends its content digest as ``extra``). Every caller sends
+    the same shape, so ranks that call different functions still meet here and get a clean error.
+    """
+    mine = digest(call, entries)
+    votes = _wire.all_gather_values(g, [mine, status, extra], deadline, what)
+    if all(v[0] == mine for v in votes):
+        return [(v[1], v[2]) for v in votes]
+    theirs = _wire.gather_objects(g, (call, specs(entries)), deadline, what)
+    raise mismatch_error(what, g.ranks, theirs)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def by_value(ranks: Sequence[int], values: Sequence[str]) -> str:
+    """``ranks 0, 2: float32[4] cpu; rank 1: missing``."""
+    groups: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values):
+        groups.setdefault(v, []).append(r)
+    return "; ".join(f"{_ranks_text(rs)}: {v}" for v, rs in groups.items())
+
+
+def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[tuple, list[Spec]]]
+                   ) -> BufferStructureError:
+    """The deterministic, identical-on-every-rank error for differing structures (global ranks in the text)."""
+    calls = [c for c, _ in structures]
+    if any(c != calls[0] for c in calls):
+        details = dict(zip(ranks, map(repr, calls)))
+        return BufferStructureError(
+            f"{what}: ranks called it with different arguments: {by_value(ranks, list(details.values()))}",
+            None, details)
+    tables = [{s.name: s for s in ss} for _, ss in structures]
+    order: list[str] = []
+    for _, ss in structures:
+        order += [s.name for s in ss if s.name not in order]
+    differing = [n for n in order if len({t[n] if n in t else None for t in tables}) > 1]
+    if differing:
+        name = differing[0]
+        cells = [t.get(name) for t in tables]
+        kind = "missing on some ranks" if None in cells else _which_differs([c for c in cells if c is not None])
+        more = f" ({len(differing) - 1} more differing entries)" if len(differing) > 1 else ""
+        texts = [c.text() if c is not None else "missing" for c in cells]
+        return BufferStructureError(
+            f"{what}: buffer structure differs across ranks at '{name}' ({kind}): {by_value(ranks, texts)}{more}. "
+            "No buffer was modified.", name, dict(zip(ranks, texts)))
+    names = [[s.name for s in ss] for _, ss in structures]
+    pos = next(i for i in range(len(names[0])) if any(ns[i] != names[0][i] for ns in names))
+    texts = [f"'{ns[pos]}' at position {pos}" for ns in names]
+    return BufferStructureError(
+        f"{what}: ranks register the same buffers in a different order: {by_value(ranks, texts)}. "
+        "No buffer was modified.", names[0][pos], dict(zip(ranks, texts)))
+
+
+def _which_differs(cells: Sequence[Spec]) -> str:
+    """Name the fields (dtype, shape, device, layout) that differ."""
+    diff = [f for f in ("dtype", "shape", "device", "layout") if len({getattr(c, f) for c in cells}) > 1]
+    return " and ".join(diff) + " differs" if diff else "differs"
