@@ -20,7 +20,7 @@ from .errors import (
     UnsupportedDeviceError,
     ZeroBuffersError,
 )
-from .frozen_replica import frozen_replica
+from .frozen_replica import frozen_replica, is_frozen_replica
 from .gathered import GatheredParametersAndBuffers
 from .no_zero_init import no_zero_init
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
@@ -52,6 +52,7 @@ __all__ = [
     "frozen_replica",
     "install",
     "installed",
+    "is_frozen_replica",
     "no_zero_init",
     "recompute_bn_stats",
     "sync_buffers",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -64,13 +65,14 @@ def fingerprint(t: torch.Tensor) -> int:
         parts.append(torch.stack([(w * table[0]).sum(1), (w * table[1]).sum(1)], 1))
     h = hashlib.sha1(n.to_bytes(8, "little"), usedforsecurity=False)
     if parts:
-        h.update(torch.cat(parts).cpu().numpy().tobytes())
+        h.update(bytes(torch_compat.host_bytes(torch.cat(parts).cpu().contiguous())))
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
-def _host_view(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a host tensor without a copy when it is contiguous."""
-    return memoryview(_raw(t).numpy())
+def _feed_host(h: Any, t: torch.Tensor) -> None:
+    """Add a host tensor's bytes to ``h`` (no copy when it is contiguous)."""
+    raw = _raw(t)
+    h.update(torch_compat.host_bytes(raw))
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], torch.Tensor]]:
@@ -88,10 +90,10 @@ def _chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], torch.
             yield packed, torch_compat.flatten([tensors[i] for i in packed])
 
 
-def _feed(h: "hashlib._Hash", t: torch.Tensor) -> None:
+def _feed(h: Any, t: torch.Tensor) -> None:
     """Add ``t``'s bytes (host) or its fingerprint (accelerator) to ``h``."""
     if t.device.type == "cpu":
-        h.update(_host_view(t))
+        _feed_host(h, t)
     else:
         h.update(fingerprint(t).to_bytes(8, "little", signed=True))
 

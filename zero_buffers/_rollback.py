@@ -49,6 +49,19 @@ class Snapshot:
                             snap.values.append((t, data, None if data.is_meta else data.to("cpu", copy=True)))
         return snap
 
+    def changed(self) -> bool:
+        """Whether any recorded registration or value differs from what was recorded."""
+        for module, saved, _ in self.tables:
+            for name, table in zip(_TABLES, saved):
+                live = getattr(module, name)
+                if live.keys() != table.keys() or any(live[k] is not v for k, v in table.items()):
+                    return True
+        with torch.no_grad():
+            for t, data, copy in self.values:
+                if t.data is not data or (copy is not None and not torch.equal(data.cpu(), copy)):
+                    return True
+        return False
+
     def restore(self, gathered: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> list[str]:
         """Put back classes, registrations, data tensors and values; ``gathered`` are (ZeRO parameter, its gathered
         data tensor) pairs to re-attach before DeepSpeed re-partitions them. Returns the problems met."""

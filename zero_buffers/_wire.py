@@ -72,7 +72,7 @@ def gather_objects(g: Group, obj: Any, deadline: Deadline, what: str) -> list[An
     padded[:data.numel()] = data.to(g.device)
     blobs = [torch.empty_like(padded) for _ in range(g.size)]
     wait([dist.all_gather(blobs, padded, group=g.pg, async_op=True)], deadline, what)
-    return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(blobs, sizes)]
+    return [pickle.loads(bytes(torch_compat.host_bytes(b[:n].cpu().contiguous()))) for b, n in zip(blobs, sizes)]
 
 
 def all_reduce(g: Group, t: torch.Tensor, deadline: Deadline, what: str,

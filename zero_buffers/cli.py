@@ -13,9 +13,9 @@ from . import _proc
 
 
 def repro_dir() -> Path:
-    """``$ZERO_BUFFERS_REPRO_DIR``, else the ``repro/`` folder beside the package (a source checkout)."""
+    """``$ZERO_BUFFERS_REPRO_DIR``, else the ``repro/`` folder inside the package (also in an installed wheel)."""
     env = os.environ.get("ZERO_BUFFERS_REPRO_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "repro"
+    return Path(env) if env else Path(__file__).resolve().parent / "repro"
 
 
 def scripts(folder: Path) -> dict[str, str]:

@@ -1,79 +1,178 @@
-"""frozen_replica: turn a (possibly ZeRO-partitioned) frozen module into a plain, identical replica on every rank."""
+"""frozen_replica: turn a (possibly ZeRO-partitioned) frozen module into a plain, identical replica on every rank.
+
+Design (decided from what real code calls): the weights become persistent buffers of the same names, so a
+parent's ``parameters()`` (what DeepSpeed, FSDP, DDP and optimizers walk) never sees them: nothing partitions,
+casts or all-gathers them. Every module of the replica gets a subclass with its class's own name, module and
+metaclass, whose ``parameters()`` (``recurse=True``, the default) still yields the weights to everyone but
+DeepSpeed, so ``.dtype``, ``.device``, ``next(model.parameters())``, ``num_parameters()``, ``save_pretrained``
+(which writes the original class name) and the model's own methods keep working; pickling rebuilds it from the
+original class.
+"""
 from __future__ import annotations
 
-from contextlib import nullcontext
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _args, _group
+from . import _args, _group, _modules, _structure, _transaction, _wire
 from ._compat import deepspeed as ds_compat
-from .broadcast import broadcast_buffers
+from ._rollback import Snapshot
+from .errors import InvalidArgumentError
+from .gathered import GatheredParametersAndBuffers, _zero_specs
 
-_FROZEN_TYPES: dict[type, type] = {}
-
-
-def _frozen_type(cls: type) -> type:
-    """A subclass of ``cls`` whose forward runs under no_grad and which stays in eval mode."""
-    if getattr(cls, "_zb_frozen", False):
-        return cls
-    if cls not in _FROZEN_TYPES:
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            with torch.no_grad():
-                return cls.forward(self, *args, **kwargs)
-
-        def train(self: nn.Module, mode: bool = True) -> nn.Module:
-            return cls.train(self, False)  # frozen: BatchNorm must never update its statistics
-
-        _FROZEN_TYPES[cls] = type(f"Frozen{cls.__name__}", (cls,), {
-            "forward": forward, "train": train, "_zb_frozen": True, "__module__": cls.__module__,
-            "__doc__": f"{cls.__name__} frozen by zero_buffers.frozen_replica: weights held as buffers, "
-                       "forward under no_grad, always in eval mode."})
-    return _FROZEN_TYPES[cls]
+_FN = "frozen_replica"
+_TYPES: dict[tuple[type, bool, bool], type] = {}
+_WEIGHTS = "_zb_weights"  # per module: names of the buffers that were parameters
+# classes whose methods are library plumbing, not the model's own API: the method scan stops there
+_LIBRARY_BASES = ("torch.", "transformers.modeling_utils", "transformers.integrations", "transformers.generation",
+                  "huggingface_hub", "diffusers.models.modeling_utils", "diffusers.configuration_utils", "accelerate.")
 
 
-def _params_to_buffers(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Replace every parameter by a full, plain, persistent buffer of the same name (ZeRO ones gathered once)."""
+def is_frozen_replica(module: nn.Module) -> bool:
+    """Whether ``module`` was made a replica by :func:`frozen_replica` (its class keeps the original's name)."""
+    return bool(getattr(type(module), "_zb_frozen", False))
+
+
+def _rebuild(cls: type, root: bool, no_grad: bool) -> nn.Module:
+    """Unpickling and deepcopy: an empty instance of the frozen type (pickle then restores its state)."""
+    return object.__new__(_frozen_type(cls, root, no_grad))
+
+
+def _weights(m: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A frozen module's own weights (buffers that were parameters), as ``_named_members`` wants them."""
+    yield from m._parameters.items()
+    for name in m.__dict__.get(_WEIGHTS, ()):
+        t = m._buffers.get(name)
+        if t is not None:
+            yield name, t
+
+
+def _without_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.no_grad()`` (generators keep it across resumptions)."""
+    if inspect.isgeneratorfunction(fn):
+        return torch.no_grad()(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _public_methods(cls: type) -> set[str]:
+    """forward, generate, and the public functions the model's own classes define (up to library base classes)."""
+    names = {"forward"} | ({"generate"} if hasattr(cls, "generate") else set())
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith(_LIBRARY_BASES):
+            break
+        names |= {n for n, v in vars(klass).items() if inspect.isfunction(v) and not n.startswith("_")}
+    return {n for n in names if n == "forward" or not hasattr(nn.Module, n)} & set(dir(cls))
+
+
+def _frozen_type(cls: type, root: bool, no_grad: bool) -> type:
+    """The subclass of ``cls`` a replica's module gets (cached); ``root`` adds the no_grad methods."""
+    cls = getattr(cls, "_zb_original", cls)
+    key = (cls, root, no_grad)
+    if key in _TYPES:
+        return _TYPES[key]
+
+    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        # recurse=False is the per-module walk of engines (DeepSpeed's hooks, FSDP2, DDP): they see no weights;
+        # DeepSpeed sees none at all, and may not take a replica as the model of an engine
+        caller = ds_compat.deepspeed_caller() if recurse else None
+        if caller is not None and ds_compat.engine_model_is(caller, self):
+            raise InvalidArgumentError(
+                f"{cls.__name__} is a frozen replica (zero_buffers.frozen_replica): it has no trainable parameters, so "
+                "do not pass it to deepspeed.initialize / accelerator.prepare. It is already a full copy on every "
+                "rank: move it with .to(device) and call it directly, or keep it as a submodule of the model you train")
+        hidden = caller is not None or not recurse
+        members = (lambda m: m._parameters.items()) if hidden else _weights
+        yield from self._named_members(members, prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def train(self: nn.Module, mode: bool = True) -> nn.Module:
+        return cls.train(self, False)  # frozen: BatchNorm statistics never move
+
+    def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
+        if requires_grad:
+            raise InvalidArgumentError(f"{cls.__name__} is a frozen replica: its weights are buffers and cannot "
+                                       "require grad (train the original module instead)")
+        return self
+
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        return _rebuild, (cls, root, no_grad), self.__getstate__()
+
+    ns: dict[str, Any] = {"named_parameters": named_parameters, "train": train, "requires_grad_": requires_grad_,
+                          "__reduce_ex__": __reduce_ex__, "_zb_frozen": True, "_zb_original": cls,
+                          "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    if root:
+        if no_grad:
+            ns.update({n: _without_grad(getattr(cls, n)) for n in _public_methods(cls)})
+        if hasattr(cls, "can_generate"):  # transformers inspects __bases__ by name: answer for the original
+            ns["can_generate"] = classmethod(lambda _c: cls.can_generate())
+        # accelerator.get_state_dict(replica) under ZeRO-3 calls what it expects of a DeepSpeed engine
+        gather_16bit, consolidated = ds_compat.ENGINE_STATE_DICT_METHODS
+        ns[gather_16bit] = lambda self: True
+        ns[consolidated] = lambda self, exclude_frozen_parameters=False: self.state_dict()
+    _TYPES[key] = type(cls)(cls.__name__, (cls,), ns)  # type(cls): the original metaclass
+    return _TYPES[key]
+
+
+def _convert(module: nn.Module, no_grad: bool) -> None:
+    """Every parameter becomes a persistent buffer of the same name (weights first, so ``state_dict`` keeps its
+    order; tied weights stay one tensor; ZeRO ones gathered once, plain ones keep their storage), every module
+    gets its frozen type."""
     owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     unique = list({id(p): p for _, _, p in owners}.values())
     zero = [p for p in unique if ds_compat.is_zero_param(p)]
-    gather = ds_compat.Gather(zero) if zero else nullcontext()
-    with gather:
-        full = {id(p): p.detach().clone() for p in unique}  # tied weights stay tied
-    for m in {id(m): m for m, _, _ in owners}.values():
+    full: dict[int, torch.Tensor] = {id(p): p.detach() for p in unique if not ds_compat.is_zero_param(p)}
+    if zero:
+        with GatheredParametersAndBuffers(zero):
+            full.update({id(p): p.detach().clone() for p in zero})
+    for m in module.modules():
         converted = {name: full[id(p)] for name, p in m._parameters.items() if p is not None}
         rest = dict(m._buffers)
         m._buffers.clear()
-        m._buffers.update({**converted, **rest})  # weights first: state_dict keeps its key order
+        m._buffers.update({**converted, **rest})
         for name in converted:
             del m._parameters[name]
             m._non_persistent_buffers_set.discard(name)
-    return owners
+        m.__dict__[_WEIGHTS] = tuple(m.__dict__.get(_WEIGHTS, ())) + tuple(converted)
+    for m in module.modules():
+        m.__class__ = _frozen_type(type(m), m is module, no_grad)
 
 
-def _undo(module: nn.Module, cls: type, owners: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
-    """Put the original parameters and class back after a failed frozen_replica."""
-    for m, name, p in owners:
-        del m._buffers[name]
-        m._parameters[name] = p
-    module.__class__ = cls
-
-
-def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeout: _args.Timeout = None) -> nn.Module:
+def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeout: _args.Timeout = None,
+                   no_grad: bool = True) -> nn.Module:
     """Turn ``module`` (in place) into a frozen, plain replica that is identical on every rank; return it.
 
-    * ZeRO-3 partitioned parameters are gathered once and the ZeRO state dropped; every parameter
-      becomes a persistent buffer of the same name, so ``state_dict`` keys are unchanged and
-      ``deepspeed.initialize`` (which partitions any parameter it finds) leaves it alone.
-    * All weights and buffers take rank ``src``'s values (one structure-checked coalesced broadcast).
-    * ``requires_grad`` is False for everything (buffers never require grad), forward runs under
-      ``no_grad`` with no all-gather, and the module stays in eval mode even when a parent calls
-      ``.train()`` (so BatchNorm statistics never drift).
+    * ZeRO-3 partitioned parameters are gathered once; every parameter becomes a persistent buffer of
+      the same name, so ``state_dict`` keys and order are unchanged and a parent's ``parameters()``
+      (``deepspeed.initialize``, FSDP, DDP, optimizers) never sees them: nothing partitions, casts or
+      all-gathers them, and its forward issues no collective. Plain weights keep their storage.
+    * All weights and buffers take rank ``src``'s values (a rank within ``group``; one structure-checked,
+      all-or-nothing broadcast). A failed call leaves the module as it was.
+    * The model keeps its API: ``parameters()`` (``recurse=True``) still yields the weights (not to
+      DeepSpeed), so ``.dtype``, ``.device``, ``next(model.parameters())`` and ``num_parameters()``
+      work; every module keeps its class name, so ``save_pretrained`` writes a checkpoint the original
+      class loads with ``from_pretrained``; ``pickle``, ``torch.save`` and ``copy.deepcopy`` round-trip
+      (unpickling needs zero_buffers importable). :func:`is_frozen_replica` tells a replica apart.
+    * Frozen: ``forward``, ``generate`` and the public methods the model's own classes define
+      (``encode``, ``decode``, ``get_image_features`` ...) run under ``no_grad`` (``no_grad=False``
+      keeps gradients flowing to the inputs, for perceptual losses; the weights never get any), every
+      module stays in eval mode even when a parent calls ``.train()``, ``requires_grad_(True)`` raises.
 
-    Calling it again on a replica only re-broadcasts from ``src``. Note: an engine that casts the whole
-    model (fp16/bf16 ``.half()``) casts these buffers too, as it would cast frozen parameters.
+    Passing the replica itself to ``deepspeed.initialize`` / ``accelerator.prepare`` raises
+    :class:`InvalidArgumentError` (it has nothing to train); ``accelerator.get_state_dict(replica)``
+    returns its state dict. Under DDP keep it outside the wrapped module, or DDP broadcasts its weights,
+    now buffers, before every forward (or list them with
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``). DeepSpeed's
+    ``data_types.buffer_dtype`` and ``keep_in_fp32_modules`` do apply to the weights (they are buffers).
+    Calling it again on a replica only re-broadcasts from ``src``.
 
     Example::
 
@@ -82,17 +181,29 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
         tokenizer.load_state_dict(sd)                   # on rank 0 only, say
         tokenizer = zero_buffers.frozen_replica(tokenizer)   # full, identical, no_grad, no all-gather
     """
-    _args.module(module, "frozen_replica")
-    _args.timeout(timeout, "frozen_replica")
-    src = _args.rank(src, "src", "frozen_replica")
-    _group.check_src(_group.resolve(group, "frozen_replica"), src, "frozen_replica")
-    cls = type(module)
-    owners = _params_to_buffers(module)
-    module.__class__ = _frozen_type(cls)
+    _args.module(module, _FN)
+    src = _args.rank(src, "src", _FN)
+    deadline = _wire.Deadline(_args.timeout(timeout, _FN))
+    g = _group.resolve(group, _FN)
+    _group.check_src(g, src, _FN)
+    frozen = is_frozen_replica(module)
+    if g is not None:  # every rank gathers the same ZeRO parameters, or none does
+        zero = [p for p in module.parameters() if ds_compat.is_zero_param(p)]
+        _structure.agree(g, (_FN, "enter", frozen), _zero_specs(zero), deadline, _FN)
+    saved = Snapshot.take(list(module.modules()), values=False)
+    weights = [(m, m.__dict__.get(_WEIGHTS)) for m in module.modules()]
     try:
-        broadcast_buffers(module, src=src, group=group, timeout=timeout)
+        if not frozen:
+            _convert(module, no_grad)
+        if g is not None:
+            _transaction.broadcast(g, _modules.named_buffers(module), src, (_FN,), deadline, _FN)
     except BaseException:
-        _undo(module, cls, owners)  # a failed call leaves the module as it was
+        saved.restore()  # registrations and classes as they were: the module as before
+        for m, names in weights:
+            if names is None:
+                m.__dict__.pop(_WEIGHTS, None)
+            else:
+                m.__dict__[_WEIGHTS] = names
         raise
-    module.train(False)
+    type(module)._zb_original.train(module, False)
     return module

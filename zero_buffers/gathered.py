@@ -120,9 +120,10 @@ class _Commit:
 
     def __init__(self, gather: ds_compat.Gather | None, modules: Sequence[nn.Module],
                  entries: Callable[[], list[_modules.Entry]], g: _group.Group | None, src: int,
-                 timeout: float | None, snapshot: bool):
+                 timeout: float | None, snapshot: bool, only_if_changed: bool = False):
         self.gather, self.modules, self.entries, self.g, self.src = gather, list(modules), entries, g, src
         self.timeout, self.take_snapshot = timeout, snapshot
+        self.only_if_changed = only_if_changed  # buffers travel only when the body changed them on rank src
         self.saved = Snapshot()
         self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -164,8 +165,10 @@ class _Commit:
                 if failure is not None:
                     raise failure if isinstance(failure, BaseException) else ZeroBuffersError(failure)
             else:
-                entries = self.entries() + [(n, p.data) for (n, _), p in zip(_zero_specs(self.zero), self.zero)]
-                _transaction.broadcast(self.g, entries, self.src, (_FN, "exit"), _wire.Deadline(self.timeout), _FN,
+                deadline = _wire.Deadline(self.timeout)
+                zero = [(n, p.data) for (n, _), p in zip(_zero_specs(self.zero), self.zero)]
+                entries = self.entries() if self._buffers_changed(deadline) else []
+                _transaction.broadcast(self.g, entries + zero, self.src, (_FN, "exit"), deadline, _FN,
                                        failure=failure, unchanged=_UNCHANGED,
                                        step="the body raised, or the commit could not start,")
         except BaseException as err:
@@ -176,6 +179,14 @@ class _Commit:
         if self.gather is not None:
             self.gather.close("updated")
         self.saved = Snapshot()
+
+    def _buffers_changed(self, deadline: _wire.Deadline) -> bool:
+        """True, or with ``only_if_changed`` whether the body changed the modules on rank src (one small collective:
+        a read-only body, such as DeepSpeed's own 16-bit export, then leaves every rank's buffers alone)."""
+        if not self.only_if_changed or self.g is None:
+            return True
+        mine = int(self.saved.changed()) if self.g.me == self.src else 0
+        return bool(_wire.all_gather_values(self.g, [mine], deadline, _FN)[self.src][0])
 
     def _refusal(self) -> str | None:
         """Why this rank's gathered ZeRO data cannot be committed (the body replaced it with another shape/dtype)."""

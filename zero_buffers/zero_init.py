@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _args, _group, _modules, _transaction, _wire
@@ -156,6 +157,8 @@ class Init:
 _undo: list[Callable[[], None]] = []  # what install() changed, undone in reverse by uninstall()
 _owners: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # ds_id -> owning module
 _warned: set[str] = set()
+_WHAT = "GatheredParameters (zero_buffers.install)"
+_loading = [0]  # from_pretrained calls in progress (install() syncs their whole model afterwards)
 
 
 class _Installed:
@@ -210,7 +213,7 @@ def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
         _undo.append(ds_compat.on_module_converted(_remember_owner))
         _undo.append(_patch_init_context(src, seconds))
         _undo.append(_patch_gathered_parameters(seconds))
-        undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds))
+        undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
         if undo_hf is not None:
             _undo.append(undo_hf)
     except BaseException:
@@ -296,29 +299,36 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
     def make_init(_: Any) -> Any:
         def __init__(self: Any, params: Any = None, modifier_rank: int | None = None, fwd_module: Any = None,
                      enabled: bool = True, **kwargs: Any) -> None:
+            if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+                params = list(params)  # a generator: DeepSpeed consumes it, and we look at it too
             init(self, params, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled, **kwargs)
             self._zb_commit = None
             if modifier_rank is None or not enabled:
                 return
-            if not self.enabled:
+            given = [params] if isinstance(params, torch.Tensor) else params or []
+            if not self.enabled and _loading[0] == 0 and any(isinstance(t, torch.Tensor) for t in given):
                 _warn_once("no-zero", "zero_buffers.install(): GatheredParameters(modifier_rank=...) got no ZeRO "
                            "parameter, so it is a no-op (in DeepSpeed too) and zero_buffers cannot tell which buffers "
                            "its body changes; if the body loads buffers on one rank, call "
                            "zero_buffers.broadcast_buffers(module, src=that_rank) afterwards on every rank")
                 return
             zero = sorted(self.params, key=lambda p: p.ds_id)
-            owners = list({id(m): m for p in zero if (m := _owners.get(p.ds_id)) is not None}.values())
-            g = resolve_group(None, zero, "GatheredParameters (zero_buffers.install)")
-            _group.check_src(g, modifier_rank, "GatheredParameters (zero_buffers.install)", "modifier_rank")
-            self._zb_commit = _Commit(ds_compat.Gather((), ctx=self), owners, _owner_entries(owners), g,
-                                      modifier_rank, timeout, snapshot=True)
+            g = resolve_group(None, zero, _WHAT)
+            _group.check_src(g, modifier_rank, _WHAT, "modifier_rank")
+            self._zb_commit = (g, modifier_rank)
         return __init__
 
     def make_enter(_: Any) -> Any:
         def __enter__(self: Any) -> Any:
-            commit = self.__dict__.get("_zb_commit")
-            if commit is None:
+            planned = self.__dict__.get("_zb_commit")
+            if planned is None:
                 return enter(self)
+            g, modifier_rank = planned
+            zero = sorted(self.params, key=lambda p: p.ds_id)
+            owners = list({id(m): m for p in zero if (m := _owners.get(p.ds_id)) is not None}.values())  # now
+            commit = _Commit(ds_compat.Gather((), ctx=self), owners, _owner_entries(owners), g, modifier_rank,
+                             timeout, snapshot=True, only_if_changed=True)
+            self._zb_commit = commit
             commit.enter()
             return None
         return __enter__
@@ -326,7 +336,7 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
     def make_exit(_: Any) -> Any:
         def __exit__(self: Any, *exc: Any) -> Any:
             commit = self.__dict__.get("_zb_commit")
-            if commit is None:
+            if not isinstance(commit, _Commit):
                 return exit_(self, *exc)
             commit.exit(exc[1] if len(exc) > 1 else None)
             return None

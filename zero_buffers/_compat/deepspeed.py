@@ -220,3 +220,25 @@ def original(name: str) -> Any:
     """GatheredParameters' own ``init`` / ``enter`` / ``exit``, as DeepSpeed defined them."""
     partition_parameters()
     return _ORIGINAL[name]
+
+
+_PASS_THROUGH_FRAMES = ("torch.nn.modules.module", "zero_buffers.frozen_replica")
+
+
+def deepspeed_caller(skip: int = 2) -> Any:
+    """The frame of the first caller outside ``torch.nn.Module`` and zero_buffers' frozen replica, if it is
+    DeepSpeed code (a heuristic on module names; pinned by a test that runs ``deepspeed.initialize``), else None."""
+    f = sys._getframe(skip)
+    while f is not None and f.f_globals.get("__name__") in _PASS_THROUGH_FRAMES:
+        f = f.f_back
+    return f if f is not None and str(f.f_globals.get("__name__", "")).startswith("deepspeed.") else None
+
+
+def engine_model_is(frame: Any, module: nn.Module) -> bool:
+    """Whether DeepSpeed is looking at ``module`` as the model of an engine it builds (``DeepSpeedEngine.__init__``
+    inspects ``model`` first, through ``deepspeed/utils/debug.py``)."""
+    return frame.f_locals.get("model") is module
+
+
+ENGINE_STATE_DICT_METHODS = ("zero_gather_16bit_weights_on_model_save", "_zero3_consolidated_16bit_state_dict")
+"""What Accelerate's ``get_state_dict`` calls on a model under ZeRO-3 (it assumes a DeepSpeed engine)."""

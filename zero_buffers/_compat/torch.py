@@ -1,6 +1,7 @@
 """Private torch APIs: the flat-tensor helpers of ``torch._utils`` and the fused ``torch._foreach_copy_``."""
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -51,3 +52,14 @@ def pack_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
                 v.copy_(t)
             return
         _foreach_copy(views, [t.detach() for t in ts])
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy and without NumPy (``pip install torch`` does not bring
+    it): a ctypes view of the tensor's memory. Keep ``t`` alive while the view is used."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("host_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

@@ -45,9 +45,9 @@ def zero3_enabled() -> bool:
     return bool(hf is not None and hf.is_deepspeed_zero3_enabled())
 
 
-def wrap_from_pretrained(after: Callable[[Any], None]) -> Callable[[], None] | None:
-    """Make ``PreTrainedModel.from_pretrained`` call ``after(model)`` before returning; returns the undo, or None
-    when transformers cannot be imported."""
+def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int]) -> Callable[[], None] | None:
+    """Make ``PreTrainedModel.from_pretrained`` call ``after(model)`` before returning (``loading[0]`` counts the
+    calls in progress); returns the undo, or None when transformers cannot be imported."""
     try:
         from transformers import modeling_utils
     except ImportError:
@@ -61,7 +61,11 @@ def wrap_from_pretrained(after: Callable[[Any], None]) -> Callable[[], None] | N
 
         @functools.wraps(func)
         def from_pretrained(klass: Any, *args: Any, **kwargs: Any) -> Any:
-            result = func(klass, *args, **kwargs)
+            loading[0] += 1
+            try:
+                result = func(klass, *args, **kwargs)
+            finally:
+                loading[0] -= 1
             after(result[0] if isinstance(result, tuple) else result)  # output_loading_info=True gives a tuple
             return result
         return classmethod(from_pretrained)

@@ -97,7 +97,7 @@ def main() -> None:
 
     torch.manual_seed(rank)
     replica = zb.frozen_replica(VideoTokenizer.from_pretrained(path))
-    plain = is_plain(replica) and all_ranks(not list(replica.parameters()))
+    plain = is_plain(replica) and all_ranks(zb.is_frozen_replica(replica))
     diff = max_output_diff(replica(x))
     table.add("FIX", "frozen_replica(from_pretrained(...))", ["yes" if plain else "no", diff], plain and diff == 0)
     table.finish()

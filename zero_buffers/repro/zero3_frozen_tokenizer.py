@@ -84,7 +84,8 @@ def main() -> None:
     table.add("FIX 3", "no_zero_init inside active zero.Init", [diff, "yes" if plain else "no"], diff == 0 and plain)
 
     replica = zb.frozen_replica(zero3_tokenizer(rank, ds_load))
-    plain = all_ranks(not list(replica.parameters()))
+    plain = all_ranks(zb.is_frozen_replica(replica) and all(not hasattr(t, "ds_id") and t.numel() > 0
+                                                           for t in replica.parameters()))
     diff = max_output_diff(replica(x))
     table.add("FIX 4", "frozen_replica (weights as buffers)", [diff, "yes" if plain else "no"], diff == 0 and plain)
 
