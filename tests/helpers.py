@@ -70,7 +70,31 @@ def init_deepspeed():
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
+    _wait_for_gloo_gathers(deepspeed)
     return deepspeed
+
+
+def _wait_for_gloo_gathers(deepspeed) -> None:
+    """DeepSpeed before 0.19.8 waits only on the last of the async all-gathers ZeRO-3 issues per parameter
+    (``Init._allgather_params_coalesced``); on gloo (CPU) the earlier ones may still be running, and parameters come
+    back with garbage (measured: 5-15 of 200 gathers). NCCL orders them on one stream, so GPU users never see it.
+    This test-only fix makes each gather complete before DeepSpeed goes on, once per process (fixed upstream in
+    0.19.8, where this is a no-op)."""
+    from packaging.version import Version
+
+    comm = deepspeed.comm
+    if Version(deepspeed.__version__) >= Version("0.19.8") or getattr(comm, "_zb_gloo_fix", False):
+        return
+    real = comm.all_gather_into_tensor
+
+    def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, **kwargs):
+        handle = real(output_tensor, tensor, group=group, async_op=async_op, **kwargs)
+        if async_op and handle is not None:
+            handle.wait()
+        return handle
+
+    comm.all_gather_into_tensor = all_gather_into_tensor
+    comm._zb_gloo_fix = True
 
 
 ZERO3_CONFIG = {

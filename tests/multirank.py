@@ -54,6 +54,8 @@ def _worker(rank: int, world: int, store_path: str, port: int, stack_path: str, 
     import torch
     import torch.distributed as dist
 
+    from tests import leaks
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -62,6 +64,7 @@ def _worker(rank: int, world: int, store_path: str, port: int, stack_path: str, 
         task_id, payload = tasks.get()
         if task_id is None:
             break
+        before = leaks.snapshot()
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = fn(rank, world, *args, **kwargs)
@@ -71,6 +74,10 @@ def _worker(rank: int, world: int, store_path: str, port: int, stack_path: str, 
                 out = (task_id, rank, "skip", str(getattr(e, "msg", e)))
             else:
                 out = (task_id, rank, "error", f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        left = leaks.leaked(before, leaks.snapshot())
+        if left and out[2] != "error":  # the body changed a global the next test would inherit
+            out = (task_id, rank, "error", f"LeakError: the test body left these changed: {', '.join(left)}")
+        leaks.clear_caches()
         results.put(out)
     try:
         dist.destroy_process_group()

@@ -65,7 +65,7 @@ def fingerprint(t: torch.Tensor) -> int:
         parts.append(torch.stack([(w * table[0]).sum(1), (w * table[1]).sum(1)], 1))
     h = hashlib.sha1(n.to_bytes(8, "little"), usedforsecurity=False)
     if parts:
-        h.update(bytes(torch_compat.host_bytes(torch.cat(parts).cpu().contiguous())))
+        h.update(torch_compat.to_bytes(torch.cat(parts)))
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 

@@ -72,7 +72,7 @@ def gather_objects(g: Group, obj: Any, deadline: Deadline, what: str) -> list[An
     padded[:data.numel()] = data.to(g.device)
     blobs = [torch.empty_like(padded) for _ in range(g.size)]
     wait([dist.all_gather(blobs, padded, group=g.pg, async_op=True)], deadline, what)
-    return [pickle.loads(bytes(torch_compat.host_bytes(b[:n].cpu().contiguous()))) for b, n in zip(blobs, sizes)]
+    return [pickle.loads(torch_compat.to_bytes(b[:n])) for b, n in zip(blobs, sizes)]
 
 
 def all_reduce(g: Group, t: torch.Tensor, deadline: Deadline, what: str,
@@ -96,9 +96,10 @@ class Bucket:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan(tensors: Sequence[torch.Tensor], cap: int = BUCKET_BYTES) -> list[Bucket]:
-    """Buckets by (device, dtype) in first-seen order, each cut before it would pass ``cap`` bytes (a tensor
-    larger than ``cap`` travels alone). Empty tensors are left out."""
+def plan(tensors: Sequence[torch.Tensor], cap: int | None = None) -> list[Bucket]:
+    """Buckets by (device, dtype) in first-seen order, each cut before it would pass ``cap`` bytes (default
+    :data:`BUCKET_BYTES`; a tensor larger than that travels alone). Empty tensors are left out."""
+    cap = BUCKET_BYTES if cap is None else cap
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
@@ -136,10 +137,11 @@ def receive_space(buckets: Sequence[Bucket]) -> list[torch.Tensor]:
     return [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in buckets]
 
 
-def send_space(tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], cap: int = BUCKET_BYTES
+def send_space(tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], cap: int | None = None
                ) -> dict[torch.device, torch.Tensor]:
     """The source's staging bytes per device: buckets that are one contiguous tensor are sent from the tensor
     itself; the others are packed into staging, reused once ``cap`` bytes are in flight."""
+    cap = BUCKET_BYTES if cap is None else cap
     need: dict[torch.device, int] = {}
     total: dict[torch.device, int] = {}
     for b in buckets:
@@ -162,30 +164,48 @@ def _sent_in_place(tensors: Sequence[torch.Tensor], b: Bucket) -> bool:
 def broadcast(g: Group, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], src: int,
               space: Any, deadline: Deadline, what: str) -> None:
     """Broadcast the buckets from group rank ``src``. ``space`` is :func:`send_space` on the source (nothing is
-    written to ``tensors`` there) and :func:`receive_space` elsewhere (filled; ``tensors`` untouched)."""
+    written to ``tensors`` there) and :func:`receive_space` elsewhere (filled; ``tensors`` untouched).
+
+    Every rank issues every bucket's collective even after a local step failed (a packing error on the source,
+    an exception from the call that issued a collective): peers never wait for a collective this rank skipped.
+    The first such failure is raised once all collectives were waited for (it becomes this rank's vote); a
+    failed or timed-out wait raises CollectiveError at once."""
     root = g.global_rank(src)
     works: list[Any] = []
-    if g.me != src:
-        for b, flat in zip(buckets, space):
+    failure: BaseException | None = None
+
+    def issue(flat: torch.Tensor) -> None:
+        nonlocal failure
+        try:
             works.append(dist.broadcast(wire_view(flat), src=root, group=g.pg, async_op=True))
-        wait(works, deadline, what)
-        return
-    offsets = {d: 0 for d in space}
-    for b in buckets:
-        ts = [tensors[i] for i in b.indices]
-        if _sent_in_place(tensors, b):
-            flat = ts[0].detach().reshape(-1)
-        else:
-            staging = space[b.device]
-            if offsets[b.device] + _aligned(b.nbytes) > staging.numel():  # staging full: let what is in flight land first
-                wait(works, deadline, what)
-                works, offsets = [], {d: 0 for d in space}
-            start = offsets[b.device]
-            flat = staging[start:start + b.nbytes].view(b.dtype)
-            offsets[b.device] = start + _aligned(b.nbytes)
-            torch_compat.pack_into(flat, ts)
-        works.append(dist.broadcast(wire_view(flat), src=root, group=g.pg, async_op=True))
+        except Exception as e:  # noqa: BLE001 - raised after the other buckets went out
+            failure = failure or e
+
+    if g.me != src:
+        for flat in space:
+            issue(flat)
+    else:
+        offsets = {d: 0 for d in space}
+        for b in buckets:
+            ts = [tensors[i] for i in b.indices]
+            if _sent_in_place(tensors, b):
+                flat = ts[0].detach().reshape(-1)
+            else:
+                staging = space[b.device]
+                if offsets[b.device] + _aligned(b.nbytes) > staging.numel():  # staging full: let in-flight land
+                    wait(works, deadline, what)
+                    works, offsets = [], {d: 0 for d in space}
+                start = offsets[b.device]
+                flat = staging[start:start + b.nbytes].view(b.dtype)
+                offsets[b.device] = start + _aligned(b.nbytes)
+                try:
+                    torch_compat.pack_into(flat, ts)
+                except Exception as e:  # noqa: BLE001 - the bucket still goes out; the vote aborts the commit
+                    failure = failure or e
+            issue(flat)
     wait(works, deadline, what)
+    if failure is not None:
+        raise failure
 
 
 def write(tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], space: Sequence[torch.Tensor]) -> None:

@@ -1,8 +1,10 @@
 """Private DeepSpeed APIs zero_buffers relies on: ZeRO-3 parameter attributes, zero.Init's module hook and context
 globals, GatheredParameters' internals, and the forward hooks a ZeRO-3 engine puts on every submodule.
 
-Checked against DeepSpeed 0.16 and 0.19; :func:`partition_parameters` raises DependencyError when the
-installed version lacks one of them.
+Checked against DeepSpeed 0.16.0 and 0.19.8 (CI runs both); :func:`partition_parameters` raises
+DependencyError when the installed version lacks one of them. What differs between them: GatheredParameters'
+``_exit`` / ``_params_to_partition`` / ``_record_deferred_updates`` and its depth attribute (hence the refusal of
+overlapping nested contexts) exist from 0.19.4 on.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from torch import nn
 from ..errors import DeepSpeedUnavailableError
 from . import missing, replace, version
 
-DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # set by GatheredParameters on the params it holds (0.17+)
+DEPTH_ATTR = "_ds_z3_gathered_param_context_depth"  # set by GatheredParameters on the params it holds (0.19.4+)
 _ORIGINAL: dict[str, Any] = {}  # GatheredParameters' own methods, kept before anyone patches the class
 
 
@@ -55,7 +57,8 @@ def process_group(p: Any) -> Any:
 
 
 def held(p: Any) -> bool:
-    """Whether a GatheredParameters context holds ``p`` gathered right now (known on DeepSpeed 0.17+ only)."""
+    """Whether a GatheredParameters context holds ``p`` gathered right now (DeepSpeed 0.19.4+ records it; before,
+    nesting is allowed by DeepSpeed and so by us)."""
     return getattr(p, DEPTH_ATTR, 0) > 0
 
 
@@ -94,7 +97,7 @@ class Gather:
             _ORIGINAL["exit"](ctx, None, None, None)
             return
         updated = how == "updated"
-        if not hasattr(type(ctx), "_exit"):  # before 0.17, __exit__ does nothing else than partition
+        if not hasattr(type(ctx), "_exit"):  # before 0.19.4, __exit__ does nothing else than partition
             ctx.params[0].partition(param_list=ctx.params, has_been_updated=updated)
             return
 

@@ -56,10 +56,17 @@ def pack_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
 
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy and without NumPy (``pip install torch`` does not bring
-    it): a ctypes view of the tensor's memory. Keep ``t`` alive while the view is used."""
+    it): a ctypes view of the tensor's memory. The caller must keep ``t`` alive while the view is used (or use
+    :func:`to_bytes`)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("host_bytes needs a contiguous CPU tensor")
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def to_bytes(t: torch.Tensor) -> bytes:
+    """A copy of a tensor's bytes (moved to the host, made contiguous first)."""
+    host = t.detach().cpu().contiguous()
+    return bytes(host_bytes(host))
