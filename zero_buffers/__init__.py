@@ -7,8 +7,8 @@ from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
 from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
 from .errors import (
-    BufferStructureError,
     BuffersOutOfSyncError,
+    BufferStructureError,
     CollectiveError,
     DeepSpeedUnavailableError,
     DependencyError,

@@ -72,16 +72,24 @@ def atol(value: Any, fn: str) -> float:
     return float(value)
 
 
-def rank(value: Any, name: str, fn: str, *, optional: bool = False) -> int | None:
-    """Every rank argument (``src``, ``modifier_rank``): an int >= 0 (NumPy ints and 0-dim integer tensors too;
-    None when ``optional``), else InvalidSourceRankError. Whether it is in the group is checked later."""
-    if value is None and optional:
-        return None
+def rank(value: Any, name: str, fn: str) -> int:
+    """Every rank argument (``src``, ``modifier_rank``): an int >= 0 (NumPy ints and 0-dim integer tensors too),
+    else InvalidSourceRankError. Whether it is in the group is checked later, with the group."""
     try:
         r = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
         r = None
     if r is None or r < 0:
-        raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank{' or None' if optional else ''}, "
-                                     f"got {value!r:.40}")
+        raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank, got {value!r:.40}")
     return r
+
+
+def optional_rank(value: Any, name: str, fn: str) -> int | None:
+    """:func:`rank`, or None (``modifier_rank=None``)."""
+    if value is None:
+        return None
+    try:
+        return rank(value, name, fn)
+    except InvalidSourceRankError:
+        raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank or None, got "
+                                     f"{value!r:.40}") from None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,12 +26,11 @@ def unwrap(module: nn.Module, fn: str) -> nn.Module:
             raise InvalidArgumentError(
                 f"{fn}(): FSDP-sharded modules are not supported (their forward and state_dict gather parameters "
                 "across ranks); use DDP, DeepSpeed or a plain module")
-        if names & _PASS_THROUGH and isinstance(getattr(module, "module", None), nn.Module):
-            module = module.module
-        elif "OptimizedModule" in names and isinstance(getattr(module, "_orig_mod", None), nn.Module):
-            module = module._orig_mod
-        else:
+        inner = getattr(module, "module", None) if names & _PASS_THROUGH else \
+            getattr(module, "_orig_mod", None) if "OptimizedModule" in names else None
+        if not isinstance(inner, nn.Module):
             return module
+        module = inner
 
 
 def _ignored(name: str, skip: frozenset[str]) -> bool:
@@ -67,21 +67,39 @@ def non_persistent_names(module: nn.Module) -> set[str]:
             for prefix, mod in module.named_modules() for key in mod._non_persistent_buffers_set}
 
 
-def tracking_bn(module: nn.Module) -> list[tuple[str, _NormBase]]:
-    """BatchNorm-like modules (1d/2d/3d, SyncBatchNorm, lazy ones once built) that keep running statistics."""
-    return [(n, m) for n, m in module.named_modules()
-            if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None]
+@dataclass(frozen=True)
+class BatchNorm:
+    """A layer that tracks running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, tracking InstanceNorm, lazy ones
+    once built), with its statistics as tensors: ``count`` is ``num_batches_tracked`` (None without a counter)."""
+
+    name: str
+    module: _NormBase
+    mean: torch.Tensor
+    var: torch.Tensor
+    count: torch.Tensor | None
+
+    def entries(self) -> list[Entry]:
+        """(qualified name, tensor) of each statistic, as structure agreement sees them."""
+        prefix = f"{self.name}." if self.name else ""
+        out = [(prefix + "running_mean", self.mean), (prefix + "running_var", self.var)]
+        if self.count is not None:
+            out.append((prefix + "num_batches_tracked", self.count))
+        return out
 
 
-def bn_stat_entries(bns: Sequence[tuple[str, _NormBase]]) -> list[Entry]:
-    """(qualified name, tensor) for the running statistics of each layer, as structure agreement sees them."""
-    out: list[Entry] = []
-    for name, m in bns:
-        prefix = f"{name}." if name else ""
-        out += [(prefix + "running_mean", m.running_mean), (prefix + "running_var", m.running_var)]
-        if m.num_batches_tracked is not None:
-            out.append((prefix + "num_batches_tracked", m.num_batches_tracked))
+def tracking_bn(module: nn.Module) -> list[BatchNorm]:
+    """Every layer of ``module`` that keeps running statistics, in module order."""
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None:
+            assert m.running_var is not None
+            out.append(BatchNorm(name, m, m.running_mean, m.running_var, m.num_batches_tracked))
     return out
+
+
+def bn_stat_entries(bns: Sequence[BatchNorm]) -> list[Entry]:
+    """The statistics of every layer, in order."""
+    return [e for bn in bns for e in bn.entries()]
 
 
 def box(modules: Sequence[nn.Module]) -> nn.Module:

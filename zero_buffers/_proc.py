@@ -76,7 +76,7 @@ def run(cmd: Sequence[str], timeout: float | None, *, env: dict[str, str] | None
                 out, err = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:  # a pipe still held by something outside the tree
                 out = err = None
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise subprocess.TimeoutExpired(cmd, timeout or 0.0, out, err) from None
         finally:
             kill_tree(proc, tag)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -17,7 +17,6 @@ import torch
 
 from . import _wire
 from ._group import Group
-from ._modules import Entry
 from .errors import BufferStructureError
 
 VERSION = "zero_buffers/2"  # part of every digest: ranks running different wire formats never match
@@ -122,7 +121,7 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
     order: list[str] = []
     for _, ss in structures:
         order += [s.name for s in ss if s.name not in order]
-    differing = [n for n in order if len({t[n] if n in t else None for t in tables}) > 1]
+    differing = [n for n in order if len({t.get(n) for t in tables}) > 1]
     if differing:
         name = differing[0]
         cells = [t.get(name) for t in tables]

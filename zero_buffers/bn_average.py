@@ -60,44 +60,43 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
     return merged[0]
 
 
-def _pack(bns: list[tuple[str, nn.Module]], device: torch.device) -> torch.Tensor:
+def _pack(bns: list[_modules.BatchNorm], device: torch.device) -> torch.Tensor:
     """Per layer [n, n * mean (C), n * (var + mean^2) (C)] in float64 on ``device``; one host sync for the counters."""
     if not bns:
         return torch.zeros(0, dtype=torch.float64, device=device)
-    counts = [m.num_batches_tracked.reshape(1) if m.num_batches_tracked is not None else None for _, m in bns]
-    known = [c.to(device, torch.float64) for c in counts if c is not None]
+    known = [bn.count.reshape(1).to(device, torch.float64) for bn in bns if bn.count is not None]
     stacked = torch.cat(known) if known else torch.zeros(0, dtype=torch.float64, device=device)
     parts, k = [], 0
-    for (_, m), c in zip(bns, counts):
-        if c is None:
+    for bn in bns:
+        if bn.count is None:
             n = torch.ones(1, dtype=torch.float64, device=device)
         else:
             n = stacked[k:k + 1]
             k += 1
-        mean = m.running_mean.detach().to(device, torch.float64)
-        var = m.running_var.detach().to(device, torch.float64)
+        mean = bn.mean.detach().to(device, torch.float64)
+        var = bn.var.detach().to(device, torch.float64)
         parts += [n, n * mean, n * (var + mean * mean)]
     return torch.cat(parts)
 
 
-def _write(bns: list[tuple[str, nn.Module]], sums: torch.Tensor) -> int:
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor) -> int:
     """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count."""
     offsets, offset = [], 0
-    for _, m in bns:
+    for bn in bns:
         offsets.append(offset)
-        offset += 1 + 2 * m.running_mean.numel()
+        offset += 1 + 2 * bn.mean.numel()
     totals = sums[offsets].cpu().tolist() if bns else []  # one device-to-host copy
     merged = 0
     with torch.no_grad():
-        for (_, m), start, total in zip(bns, offsets, totals):
+        for bn, start, total in zip(bns, offsets, totals):
             if total <= 0:
                 continue
-            c = m.running_mean.numel()
+            c = bn.mean.numel()
             mean = sums[start + 1:start + 1 + c] / total
             var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
-            m.running_mean.copy_(mean.to(m.running_mean.device, m.running_mean.dtype))
-            m.running_var.copy_(var.to(m.running_var.device, m.running_var.dtype))
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked.fill_(int(round(total)))
+            bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
+            bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
+            if bn.count is not None:
+                bn.count.fill_(round(total))
             merged += 1
     return merged

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
@@ -113,7 +112,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
                 source = _batches(data)
                 with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
                     runner.run_all(_limit(source, num_batches), bar)
-            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+            except BaseException as e:
                 failure = e
         if failure is not None and g is None:
             raise RecomputeError(f"{_FN}() failed: {type(failure).__name__}: {failure}. No buffer was modified.",
@@ -149,16 +148,16 @@ def _batches(data: Any) -> Iterable[Any]:
 class _Accumulators:
     """Per-layer float64 sums fed by forward pre-hooks, and the number of batches run."""
 
-    def __init__(self, bns: list[tuple[str, _NormBase]]):
-        self.layers = [m for _, m in bns]
+    def __init__(self, bns: list[_modules.BatchNorm]):
+        self.layers = bns
         self.clear()
 
     def clear(self) -> None:
         self.batches = 0
         self.calls = [0] * len(self.layers)
         self.n = [0.0] * len(self.layers)
-        self.s1: list[torch.Tensor | None] = [None] * len(self.layers)
-        self.s2: list[torch.Tensor | None] = [None] * len(self.layers)
+        self.s1: list[torch.Tensor] = [torch.zeros(bn.mean.numel(), dtype=torch.float64) for bn in self.layers]
+        self.s2: list[torch.Tensor] = [torch.zeros(bn.mean.numel(), dtype=torch.float64) for bn in self.layers]
 
     def hook(self, i: int) -> Callable[[nn.Module, tuple], None]:
         """The forward pre-hook of layer ``i``."""
@@ -181,8 +180,8 @@ class _Accumulators:
             s1, s2 = x.sum(dims), (x * x).sum(dims)
         self.calls[i] += 1
         self.n[i] += n
-        self.s1[i] = s1 if self.s1[i] is None else self.s1[i] + s1
-        self.s2[i] = s2 if self.s2[i] is None else self.s2[i] + s2
+        self.s1[i] = self.s1[i].to(s1.device) + s1
+        self.s2[i] = self.s2[i].to(s2.device) + s2
 
     def pack(self, world: int, me: int, failed: bool) -> torch.Tensor:
         """[failed flag per member] [batches] + per layer [calls, n, s1 (C), s2 (C)], float64 on CPU."""
@@ -190,12 +189,11 @@ class _Accumulators:
                                                                        dtype=torch.float64)]
         if failed:
             parts[0][me] = 1.0
-        for i, m in enumerate(self.layers):
-            c = m.running_mean.numel()
-            ok = not failed and self.s1[i] is not None
+        for i in range(len(self.layers)):
+            ok = not failed
             parts.append(torch.tensor([self.calls[i] if ok else 0, self.n[i] if ok else 0], dtype=torch.float64))
-            parts.append(self.s1[i].cpu() if ok else torch.zeros(c, dtype=torch.float64))
-            parts.append(self.s2[i].cpu() if ok else torch.zeros(c, dtype=torch.float64))
+            parts.append(self.s1[i].cpu() if ok else torch.zeros_like(self.s1[i], device="cpu"))
+            parts.append(self.s2[i].cpu() if ok else torch.zeros_like(self.s2[i], device="cpu"))
         return torch.cat(parts)
 
 
@@ -206,17 +204,17 @@ def _local_sync_bn_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch
 
 
 @contextlib.contextmanager
-def _passes(inner: nn.Module, bns: list[tuple[str, _NormBase]], acc: _Accumulators,
-            saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: list[torch.Tensor]) -> Iterator[None]:
+def _passes(inner: nn.Module, bns: list[_modules.BatchNorm], acc: _Accumulators,
+            saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: Sequence[torch.Tensor]) -> Iterator[None]:
     """Train mode, hooks, local SyncBatchNorm, a forked RNG and (ZeRO-3) the whole model gathered with the engine's
     gather/release hooks suspended, for the passes; everything put back on exit."""
     modes = [(m, m.training) for m in inner.modules()]
-    handles = [m.register_forward_pre_hook(acc.hook(i)) for i, (_, m) in enumerate(bns)]
-    patched = []
-    for _, m in bns:
-        if isinstance(m, nn.SyncBatchNorm):
-            patched.append((m, m.__dict__.get("forward")))
-            m.forward = types.MethodType(_local_sync_bn_forward, m)
+    handles = [bn.module.register_forward_pre_hook(acc.hook(i)) for i, bn in enumerate(bns)]
+    patched: list[tuple[nn.Module, Any]] = []
+    for bn in bns:
+        if isinstance(bn.module, nn.SyncBatchNorm):
+            patched.append((bn.module, bn.module.__dict__.get("forward")))
+            bn.module.__dict__["forward"] = types.MethodType(_local_sync_bn_forward, bn.module)
     cuda = sorted({t.device.index or 0 for t in [*inner.parameters(), *inner.buffers()] if t.device.type == "cuda"})
     gathered = ds_compat.Gather(zero) if zero else contextlib.nullcontext()
     suspended = ds_compat.zero3_hooks_suspended(inner) if zero else contextlib.nullcontext()
@@ -229,9 +227,9 @@ def _passes(inner: nn.Module, bns: list[tuple[str, _NormBase]], acc: _Accumulato
             h.remove()
         for m, old in patched:
             if old is None:
-                del m.forward
+                del m.__dict__["forward"]
             else:
-                m.forward = old
+                m.__dict__["forward"] = old
         for m, training in modes:
             m.training = training
         _restore(saved_other)
@@ -322,26 +320,26 @@ class _Runner:
                 bar.update(1)
 
 
-def _write(bns: list[tuple[str, _NormBase]], sums: torch.Tensor, world: int) -> int:
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
     """Write population statistics (identical on every rank: computed from the same all-reduced sums)."""
     written, offset = 0, 0
     with torch.no_grad():
-        for i, (_, m) in enumerate(bns):
-            c = m.running_mean.numel()
+        for bn in bns:
+            c = bn.mean.numel()
             calls, n = float(sums[offset]), float(sums[offset + 1])
             s1, s2 = sums[offset + 2:offset + 2 + c], sums[offset + 2 + c:offset + 2 + 2 * c]
             offset += 2 + 2 * c
-            if n < 1 or (n < 2 and not isinstance(m, _InstanceNorm)):
+            instance = isinstance(bn.module, _InstanceNorm)
+            if n < 1 or (n < 2 and not instance):
                 continue  # no rank reached this layer: it keeps its statistics
-            if isinstance(m, _InstanceNorm):
+            if instance:
                 mean, var = s1 / n, s2 / n
             else:
                 mean = s1 / n
                 var = ((s2 - n * mean * mean) / (n - 1)).clamp_min(0)
-            m.running_mean.copy_(mean.to(m.running_mean.device, m.running_mean.dtype))
-            m.running_var.copy_(var.to(m.running_var.device, m.running_var.dtype))
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked.fill_(max(1, round(calls / world)))
+            bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
+            bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
+            if bn.count is not None:
+                bn.count.fill_(max(1, round(calls / world)))
             written += 1
     return written
-

@@ -1,4 +1,5 @@
-"""Checkpoints that carry synchronised buffers: sync_buffers (plain torch), sync_buffers_on_save (Accelerate, DeepSpeed)."""
+"""Checkpoints that carry synchronised buffers: sync_buffers (plain torch), sync_buffers_on_save (Accelerate,
+DeepSpeed)."""
 from __future__ import annotations
 
 import functools
@@ -85,7 +86,7 @@ def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False) -> None
 
 def _one_shot(data: Any) -> bool:
     """An iterator that is its own iterable (a generator, ``iter(list)``): it can be iterated only once."""
-    if isinstance(data, (torch.Tensor, dict)) or callable(data) and not hasattr(data, "__iter__"):
+    if isinstance(data, (torch.Tensor, dict)) or (callable(data) and not hasattr(data, "__iter__")):
         return False
     try:
         return iter(data) is data
@@ -192,7 +193,7 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
                     sync_buffers(model, policy, **options)
             else:  # get_state_dict(model, ...): collective only when the model is a ZeRO-3 engine
                 model = args[0] if args else kwargs.get("model")
-                if ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model):
+                if model is not None and ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model):
                     sync_buffers(model, policy, **options)
         return SaveHook(target, _ACCELERATOR_METHODS, sync_accelerator)
 

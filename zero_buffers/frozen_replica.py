@@ -42,7 +42,7 @@ def _rebuild(cls: type, root: bool, no_grad: bool) -> nn.Module:
     return object.__new__(_frozen_type(cls, root, no_grad))
 
 
-def _weights(m: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(m: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:
     """A frozen module's own weights (buffers that were parameters), as ``_named_members`` wants them."""
     yield from m._parameters.items()
     for name in m.__dict__.get(_WEIGHTS, ()):
@@ -73,9 +73,9 @@ def _public_methods(cls: type) -> set[str]:
     return {n for n in names if n == "forward" or not hasattr(nn.Module, n)} & set(dir(cls))
 
 
-def _frozen_type(cls: type, root: bool, no_grad: bool) -> type:
+def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
     """The subclass of ``cls`` a replica's module gets (cached); ``root`` adds the no_grad methods."""
-    cls = getattr(cls, "_zb_original", cls)
+    cls = vars(cls).get("_zb_original", cls)
     key = (cls, root, no_grad)
     if key in _TYPES:
         return _TYPES[key]
@@ -118,7 +118,8 @@ def _frozen_type(cls: type, root: bool, no_grad: bool) -> type:
         gather_16bit, consolidated = ds_compat.ENGINE_STATE_DICT_METHODS
         ns[gather_16bit] = lambda self: True
         ns[consolidated] = lambda self, exclude_frozen_parameters=False: self.state_dict()
-    _TYPES[key] = type(cls)(cls.__name__, (cls,), ns)  # type(cls): the original metaclass
+    metaclass: Any = type(cls)  # the original metaclass
+    _TYPES[key] = metaclass(cls.__name__, (cls,), ns)
     return _TYPES[key]
 
 
@@ -205,5 +206,5 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
             else:
                 m.__dict__[_WEIGHTS] = names
         raise
-    type(module)._zb_original.train(module, False)
+    vars(type(module))["_zb_original"].train(module, False)
     return module

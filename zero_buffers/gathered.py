@@ -52,7 +52,7 @@ def targets(params: Any, fn: str = _FN) -> tuple[list[nn.Module], list[torch.Ten
         elif item is not None:
             raise InvalidArgumentError(f"{fn}: item {i} is a {type(item).__name__}; expected modules, parameters, "
                                        "None, or an iterable of them")
-    return modules, sorted(zero.values(), key=lambda p: p.ds_id)
+    return modules, sorted(zero.values(), key=ds_compat.ds_id)
 
 
 def resolve_group(group: Any, zero: Sequence[torch.Tensor], fn: str = _FN) -> _group.Group | None:
@@ -76,15 +76,18 @@ def resolve_group(group: Any, zero: Sequence[torch.Tensor], fn: str = _FN) -> _g
 
 def _zero_specs(zero: Sequence[torch.Tensor]) -> list[tuple[str, _structure.Spec]]:
     """The ZeRO parameters as structure agreement sees them (their ds_id is the same on every rank)."""
-    return [(f"<ZeRO ds_id={p.ds_id}>", _structure.Spec(f"<ZeRO ds_id={p.ds_id}>", str(p.dtype).removeprefix("torch."),
-                                                        tuple(getattr(p, "ds_shape", p.shape)), "zero"))
-            for p in zero]
+    out = []
+    for p in zero:
+        name = f"<ZeRO ds_id={ds_compat.ds_id(p)}>"
+        out.append((name, _structure.Spec(name, str(p.dtype).removeprefix("torch."),
+                                          tuple(getattr(p, "ds_shape", p.shape)), "zero")))
+    return out
 
 
 def _overlap_error(held: Sequence[torch.Tensor]) -> ZeroBuffersError:
     return ZeroBuffersError(
         "Nested GatheredParameters contexts cannot overlap parameters (as in DeepSpeed); parameter ds_ids already "
-        f"gathered by an outer context: {[p.ds_id for p in held]}")
+        f"gathered by an outer context: {[ds_compat.ds_id(p) for p in held]}")
 
 
 class _ReadOnly:
@@ -129,7 +132,7 @@ class _Commit:
 
     @property
     def zero(self) -> list[torch.Tensor]:
-        return sorted(self.gather.params, key=lambda p: p.ds_id) if self.gather is not None else []
+        return sorted(self.gather.params, key=ds_compat.ds_id) if self.gather is not None else []
 
     def enter(self) -> None:
         """Vote (on the structure, overlapping outer contexts and the rollback copy), then gather."""
@@ -140,7 +143,7 @@ class _Commit:
         elif self.take_snapshot:
             try:
                 self.saved = Snapshot.take(self.modules)
-            except BaseException as e:  # noqa: BLE001 - a vote
+            except BaseException as e:
                 failure = e
         if self.g is None:
             if failure is not None:
@@ -192,7 +195,7 @@ class _Commit:
         """Why this rank's gathered ZeRO data cannot be committed (the body replaced it with another shape/dtype)."""
         for p, data in self.gathered:
             if p.data.shape != data.shape or p.data.dtype != data.dtype:
-                return (f"ZeRO parameter ds_id={p.ds_id} changed from {data.dtype} {list(data.shape)} to "
+                return (f"ZeRO parameter ds_id={ds_compat.ds_id(p)} changed from {data.dtype} {list(data.shape)} to "
                         f"{p.data.dtype} {list(p.data.shape)} in the body; DeepSpeed cannot re-partition that")
         return None
 
@@ -251,7 +254,7 @@ class GatheredParametersAndBuffers:
         self._mode: _ReadOnly | _Commit | None = None
         if not enabled:
             return
-        src = _args.rank(modifier_rank, "modifier_rank", _FN, optional=True)
+        src = _args.optional_rank(modifier_rank, "modifier_rank", _FN)
         seconds = _args.timeout(timeout, _FN)
         atol = _args.atol(atol, _FN)
         modules, zero = targets(params)
@@ -276,7 +279,6 @@ class GatheredParametersAndBuffers:
             self._mode.enter()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._mode is not None:
             self._mode.exit(exc)
-        return False

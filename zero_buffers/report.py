@@ -145,7 +145,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     # one all_gather: per differing buffer, this rank's max |x - ref|, the reference's max |ref|, untrained flag;
     # then the module's train/eval mode
     mine = [v for (d, m), u in zip(measured, untrained) for v in (d, m, float(u))] + [float(module.training)]
-    table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)
+    table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)  # type: ignore[arg-type]
     rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
     for k, i in enumerate(differ):
         diffs = [table[j][3 * k] for j in range(g.size)]
@@ -209,11 +209,9 @@ def _max_abs(ref: torch.Tensor) -> float:
 def _untrained_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
     """For each name, whether it is a BatchNorm statistic whose layer still holds its initial state here."""
     fresh: set[str] = set()
-    for prefix, m in _modules.tracking_bn(module):
-        count = m.num_batches_tracked
-        if (count is None or int(count) == 0) and not m.running_mean.any() and bool((m.running_var == 1).all()):
-            p = f"{prefix}." if prefix else ""
-            fresh.update({p + "running_mean", p + "running_var", p + "num_batches_tracked"})
+    for bn in _modules.tracking_bn(module):
+        if (bn.count is None or int(bn.count) == 0) and not bn.mean.any() and bool((bn.var == 1).all()):
+            fresh.update(name for name, _ in bn.entries())
     return [n in fresh for n in names]
 
 

@@ -140,9 +140,9 @@ class Init:
         if self._outermost:
             _stop_recording(self._modules)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self._ds.enabled:
-            return False
+            return
         try:
             self._ds.__exit__(exc_type, exc, tb)
         finally:
@@ -150,7 +150,6 @@ class Init:
         if self._outermost:
             modules, self._modules = self._modules, []
             _finish(modules, exc_type, self._src, self._group, self._timeout, "zero_buffers.Init")
-        return False
 
 
 # ---- install(): every zero.Init, every GatheredParameters(modifier_rank=r), from_pretrained ------------------------
@@ -170,10 +169,9 @@ class _Installed:
     def __enter__(self) -> _Installed:
         return self
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> None:
         if self.owner:
             uninstall()
-        return False
 
 
 def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
@@ -237,7 +235,7 @@ def installed() -> bool:
 def _remember_owner(module: nn.Module) -> None:
     for p in module._parameters.values():
         if p is not None and ds_compat.is_zero_param(p):
-            _owners[p.ds_id] = module
+            _owners[ds_compat.ds_id(p)] = module
 
 
 def _patch_init_context(src: int, timeout: float | None) -> Callable[[], None]:
@@ -283,7 +281,7 @@ def _owner_entries(owners: list[nn.Module]) -> Callable[[], list[_modules.Entry]
     def entries() -> list[_modules.Entry]:
         out = []
         for m in owners:
-            ids = [p.ds_id for p in m._parameters.values() if p is not None and ds_compat.is_zero_param(p)]
+            ids = [ds_compat.ds_id(p) for p in m._parameters.values() if p is not None and ds_compat.is_zero_param(p)]
             tag = f"<owner of ds_id={min(ids)}>" if ids else f"<owner {type(m).__name__}>"
             out += [(f"{tag}.{k}", b) for k, b in m._buffers.items() if b is not None]
         return out
@@ -312,7 +310,7 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
                            "its body changes; if the body loads buffers on one rank, call "
                            "zero_buffers.broadcast_buffers(module, src=that_rank) afterwards on every rank")
                 return
-            zero = sorted(self.params, key=lambda p: p.ds_id)
+            zero = sorted(self.params, key=ds_compat.ds_id)
             g = resolve_group(None, zero, _WHAT)
             _group.check_src(g, modifier_rank, _WHAT, "modifier_rank")
             self._zb_commit = (g, modifier_rank)
@@ -324,8 +322,8 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
             if planned is None:
                 return enter(self)
             g, modifier_rank = planned
-            zero = sorted(self.params, key=lambda p: p.ds_id)
-            owners = list({id(m): m for p in zero if (m := _owners.get(p.ds_id)) is not None}.values())  # now
+            zero = sorted(self.params, key=ds_compat.ds_id)
+            owners = list({id(m): m for p in zero if (m := _owners.get(ds_compat.ds_id(p))) is not None}.values())
             commit = _Commit(ds_compat.Gather((), ctx=self), owners, _owner_entries(owners), g, modifier_rank,
                              timeout, snapshot=True, only_if_changed=True)
             self._zb_commit = commit

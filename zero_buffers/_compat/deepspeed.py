@@ -28,6 +28,11 @@ def is_zero_param(t: Any) -> bool:
     return hasattr(t, "ds_id")
 
 
+def ds_id(p: Any) -> int:
+    """A ZeRO parameter's id: the same on every rank (DeepSpeed assigns them in construction order)."""
+    return int(p.ds_id)
+
+
 def loaded() -> Any:
     """``deepspeed.runtime.zero.partition_parameters`` if DeepSpeed was imported already, else None."""
     return sys.modules.get("deepspeed.runtime.zero.partition_parameters")
@@ -73,7 +78,7 @@ class Gather:
         pp = partition_parameters()
         if ctx is None:
             ctx = object.__new__(pp.GatheredParameters)
-            zero = sorted({id(p): p for p in params if is_zero_param(p)}.values(), key=lambda p: p.ds_id)
+            zero = sorted({id(p): p for p in params if is_zero_param(p)}.values(), key=ds_id)
             _ORIGINAL["init"](ctx, zero, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=bool(zero))
         self._ctx = ctx
         self.params: list[torch.Tensor] = list(getattr(ctx, "params", None) or []) if ctx.enabled else []
@@ -231,7 +236,7 @@ _PASS_THROUGH_FRAMES = ("torch.nn.modules.module", "zero_buffers.frozen_replica"
 def deepspeed_caller(skip: int = 2) -> Any:
     """The frame of the first caller outside ``torch.nn.Module`` and zero_buffers' frozen replica, if it is
     DeepSpeed code (a heuristic on module names; pinned by a test that runs ``deepspeed.initialize``), else None."""
-    f = sys._getframe(skip)
+    f: Any = sys._getframe(skip)
     while f is not None and f.f_globals.get("__name__") in _PASS_THROUGH_FRAMES:
         f = f.f_back
     return f if f is not None and str(f.f_globals.get("__name__", "")).startswith("deepspeed.") else None
