@@ -256,7 +256,7 @@ def test_a_peer_stalling_in_the_failure_message_exchange_is_bounded_by_timeout(r
     assert out[1] is None  # the stalled rank never answered
     caught, elapsed, same = out[0]
     assert caught is not None and caught[1] == (1,), caught
-    assert "failed on rank 1 (no message)" in caught[0] and "No buffer was modified" in caught[0], caught[0]
+    assert "failed on rank 1 (no message)" in caught[0] and "no buffer was modified" in caught[0], caught[0]
     assert 1.95 <= elapsed < 2.0 + 8.0, elapsed  # the timeout (c10d may fire <1 ms early), plus slack
     assert same
 
@@ -287,24 +287,19 @@ def _zero3(rank, world):
     assert all(hasattr(p, "ds_id") for p in engine.module.parameters())
     written = zb.recompute_bn_stats(engine, [b["a"] for b in rank_batches(rank)], progress=False, timeout=30)
     stats = stats_of(engine.module)
-    with pytest.raises(zb.RecomputeError) as info:  # under ZeRO-3 a rank without batches cannot take part
-        zb.recompute_bn_stats(engine, [] if rank == 1 else [b["a"] for b in rank_batches(rank)], timeout=30)
-    unchanged = all(torch.equal(stats[n][0], s[0]) for n, s in stats_of(engine.module).items())
-    return written, stats, str(info.value), unchanged
+    return written, stats
 
 
-def test_zero3_partitioned_model_steps_in_lockstep_with_uneven_batches(ranks2):
+def test_zero3_partitioned_model_gives_population_stats_with_uneven_batches(ranks2):
     out = ranks2.run(_zero3, timeout=120)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 5), nn.BatchNorm1d(5))
     truth = population_stats(ref, [b["a"] for r in range(2) for b in rank_batches(r)], call=lambda m, b: m(b))
-    for written, stats, message, unchanged in out:
-        assert written == 2 and unchanged
-        assert "rank 1" in message and "at least one batch" in message
+    for written, stats in out:
+        assert written == 2
         for name, (mean, var) in truth.items():
             torch.testing.assert_close(stats[name][0].double(), mean, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(stats[name][1].double(), var, rtol=1e-5, atol=1e-5)
-    assert out[0][2] == out[1][2]
 
 
 def test_single_process_tensor_tuple_and_generator_batches():
