@@ -106,8 +106,13 @@ def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
         return _rebuild, (cls, root, no_grad), self.__getstate__()
 
+    def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
+        # type(replica)(config) / type(replica).from_pretrained(...): a fresh ORIGINAL model, not a hybrid with
+        # real parameters that refuses requires_grad_ (pickling and deepcopy go through _rebuild instead)
+        return cls(*args, **kwargs)
+
     ns: dict[str, Any] = {"named_parameters": named_parameters, "train": train, "requires_grad_": requires_grad_,
-                          "__reduce_ex__": __reduce_ex__, "_zb_frozen": True, "_zb_original": cls,
+                          "__reduce_ex__": __reduce_ex__, "__new__": __new__, "_zb_frozen": True, "_zb_original": cls,
                           "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
     if root:
         if no_grad:
@@ -144,6 +149,8 @@ def _convert(module: nn.Module, no_grad: bool) -> None:
             m._non_persistent_buffers_set.discard(name)
         m.__dict__[_WEIGHTS] = tuple(m.__dict__.get(_WEIGHTS, ())) + tuple(converted)
     for m in module.modules():
+        if m is not module and is_frozen_replica(m):
+            continue  # an inner replica keeps its type: its root's no_grad methods (and no_grad choice)
         m.__class__ = _frozen_type(type(m), m is module, no_grad)
 
 

@@ -155,6 +155,7 @@ class Init:
 # ---- install(): every zero.Init, every GatheredParameters(modifier_rank=r), from_pretrained ------------------------
 _undo: list[Callable[[], None]] = []  # what install() changed, undone in reverse by uninstall()
 _owners: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # ds_id -> owning module
+_parents: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()  # module -> its parent
 _warned: set[str] = set()
 _WHAT = "GatheredParameters (zero_buffers.install)"
 _loading = [0]  # from_pretrained calls in progress (install() syncs their whole model afterwards)
@@ -225,6 +226,7 @@ def uninstall() -> None:
     while _undo:
         _undo.pop()()
     _owners.clear()
+    _parents.clear()
 
 
 def installed() -> bool:
@@ -233,9 +235,27 @@ def installed() -> bool:
 
 
 def _remember_owner(module: nn.Module) -> None:
+    """zero.Init converted ``module`` (after its children): note which module owns each ZeRO parameter, and
+    each child's parent."""
     for p in module._parameters.values():
         if p is not None and ds_compat.is_zero_param(p):
             _owners[ds_compat.ds_id(p)] = module
+    for child in module.children():
+        _parents[child] = weakref.ref(module)
+
+
+def _related(zero: list[torch.Tensor]) -> list[tuple[str, nn.Module]]:
+    """The modules owning ``zero`` and their ancestors (a model's own buffers, a codebook beside the layers), each
+    with a tag that is the same on every rank: the owner's smallest ds_id, and how many levels up."""
+    out: dict[int, tuple[str, nn.Module]] = {}
+    for p in zero:
+        owner = _owners.get(ds_compat.ds_id(p))
+        level = 0
+        while owner is not None and id(owner) not in out:
+            out[id(owner)] = (f"<ds_id={ds_compat.ds_id(p)}, up {level}>", owner)
+            ref = _parents.get(owner)
+            owner, level = (ref() if ref is not None else None), level + 1
+    return list(out.values())
 
 
 def _patch_init_context(src: int, timeout: float | None) -> Callable[[], None]:
@@ -275,16 +295,10 @@ def _patch_init_context(src: int, timeout: float | None) -> Callable[[], None]:
     return undo
 
 
-def _owner_entries(owners: list[nn.Module]) -> Callable[[], list[_modules.Entry]]:
-    """The owners' own buffers (not their children's: those have GatheredParameters calls of their own), named by
-    the smallest ds_id of each owner's parameters (the same on every rank)."""
+def _own_buffers(related: list[tuple[str, nn.Module]]) -> Callable[[], list[_modules.Entry]]:
+    """The modules' own buffers (not their children's: those belong to other owners or other contexts)."""
     def entries() -> list[_modules.Entry]:
-        out = []
-        for m in owners:
-            ids = [ds_compat.ds_id(p) for p in m._parameters.values() if p is not None and ds_compat.is_zero_param(p)]
-            tag = f"<owner of ds_id={min(ids)}>" if ids else f"<owner {type(m).__name__}>"
-            out += [(f"{tag}.{k}", b) for k, b in m._buffers.items() if b is not None]
-        return out
+        return [(f"{tag}.{k}", b) for tag, m in related for k, b in m._buffers.items() if b is not None]
     return entries
 
 
@@ -303,12 +317,13 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
             self._zb_commit = None
             if modifier_rank is None or not enabled:
                 return
-            given = [params] if isinstance(params, torch.Tensor) else params or []
-            if not self.enabled and _loading[0] == 0 and any(isinstance(t, torch.Tensor) for t in given):
-                _warn_once("no-zero", "zero_buffers.install(): GatheredParameters(modifier_rank=...) got no ZeRO "
-                           "parameter, so it is a no-op (in DeepSpeed too) and zero_buffers cannot tell which buffers "
-                           "its body changes; if the body loads buffers on one rank, call "
-                           "zero_buffers.broadcast_buffers(module, src=that_rank) afterwards on every rank")
+            if not self.enabled:  # no ZeRO parameter: DeepSpeed's no-op, and ours
+                given = [params] if isinstance(params, torch.Tensor) else params or []
+                if _loading[0] == 0 and any(isinstance(t, torch.Tensor) for t in given):
+                    _warn_once("no-zero", "zero_buffers.install(): GatheredParameters(modifier_rank=...) got no ZeRO "
+                               "parameter, so it is a no-op (in DeepSpeed too) and zero_buffers cannot tell which "
+                               "buffers its body changes; if the body loads buffers on one rank, call "
+                               "zero_buffers.broadcast_buffers(module, src=that_rank) afterwards on every rank")
                 return
             zero = sorted(self.params, key=ds_compat.ds_id)
             g = resolve_group(None, zero, _WHAT)
@@ -322,10 +337,9 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
             if planned is None:
                 return enter(self)
             g, modifier_rank = planned
-            zero = sorted(self.params, key=ds_compat.ds_id)
-            owners = list({id(m): m for p in zero if (m := _owners.get(ds_compat.ds_id(p))) is not None}.values())
-            commit = _Commit(ds_compat.Gather((), ctx=self), owners, _owner_entries(owners), g, modifier_rank,
-                             timeout, snapshot=True, only_if_changed=True)
+            related = _related(sorted(self.params, key=ds_compat.ds_id))  # now: the body may swap modules later
+            commit = _Commit(ds_compat.Gather((), ctx=self), [m for _, m in related], _own_buffers(related), g,
+                             modifier_rank, timeout, snapshot=True, only_if_changed=True)
             self._zb_commit = commit
             commit.enter()
             return None

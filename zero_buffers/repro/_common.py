@@ -78,6 +78,28 @@ def setup_deepspeed(seed: int = 0) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def versions() -> str:
+    """``torch 2.13.0, deepspeed 0.19.8, ...``: the stack this run measured (rows depend on it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in ("torch", "deepspeed", "transformers", "accelerate"):
+        try:
+            out.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def version_at_least(package: str, floor: str) -> bool:
+    """Whether the installed ``package`` is at least ``floor``."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version(package)) >= Version(floor)
+
+
 def zero3_config() -> dict:
     """The smallest ZeRO-3 config DeepSpeed accepts."""
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}

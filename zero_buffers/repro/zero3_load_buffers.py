@@ -1,8 +1,14 @@
 """ZeRO-3 never broadcasts buffers: rank-0-only loads and random buffers differ; GatheredParametersAndBuffers, Init and install() fix it.
 
-Run: zero-buffers repro zero3_load_buffers --nproc 2   (or: torchrun --nproc-per-node 2 repro/zero3_load_buffers.py)
+Every BUG row shows a bug that exists on the versions it runs on (printed in the title): transformers before 5.6
+loads checkpoint buffers on rank 0 only in from_pretrained; 5.6 and later get checkpoint buffers right on every
+rank (that row then reads n/a), but not non-persistent buffers or those set at init.
+
+Run: zero-buffers repro zero3_load_buffers --nproc 2
 """
 from __future__ import annotations
+
+import contextlib
 
 import deepspeed
 import torch
@@ -10,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from _common import Table, all_ranks, max_cross_rank_diff, setup_deepspeed, shared_tmpdir, zero3_config
+from _common import (Table, all_ranks, max_cross_rank_diff, setup_deepspeed, shared_tmpdir, version_at_least,
+                     versions, zero3_config)
 
 
 class VQBlock(nn.Module):
@@ -39,17 +46,19 @@ def matches(model: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
     return all_ranks(ok)
 
 
-def load_case(rank: int, ours: bool) -> VQBlock:
-    """DeepSpeed's documented pattern: build under zero.Init, load on rank 0 inside a gather context."""
+def load_case(rank: int, how: str) -> VQBlock:
+    """DeepSpeed's documented pattern: build under zero.Init, load on rank 0 inside a gather context (``how``:
+    DeepSpeed's context, ours, or DeepSpeed's own under zero_buffers.install())."""
     torch.manual_seed(rank)  # rank-specific RNG, as in any real job (dropout, augmentation seeds)
-    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
-        model = VQBlock()
-    sd = pretrained_state()
-    ctx = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if ours else \
-        deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
-    with ctx:
-        if rank == 0:
-            model.load_state_dict(sd)
+    with zb.install() if how == "installed" else contextlib.nullcontext():
+        with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
+            model = VQBlock()
+        sd = pretrained_state()
+        ctx = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if how == "ours" else \
+            deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
+        with ctx:
+            if rank == 0:
+                model.load_state_dict(sd)
     return model
 
 
@@ -83,14 +92,19 @@ def failed_load_case(rank: int, world: int, ours: bool) -> tuple[float, bool]:
 def main() -> None:
     rank, world, _ = setup_deepspeed()
     sd = pretrained_state()
-    table = Table(f"zero3_load_buffers: {world} ranks, DeepSpeed ZeRO-3", ["max cross-rank diff", "buffers after"])
+    table = Table(f"zero3_load_buffers: {world} ranks, DeepSpeed ZeRO-3 ({versions()})",
+                  ["max cross-rank diff", "buffers after"])
 
-    model = load_case(rank, ours=False)
     where = {True: "= checkpoint on every rank", False: "= checkpoint on rank 0 only"}
+    model = load_case(rank, "deepspeed")
     table.add("BUG", "rank-0 load in GatheredParameters", [max_cross_rank_diff(model), where[matches(model, sd)]],
               max_cross_rank_diff(model) > 0)
-    model = load_case(rank, ours=True)
+    model = load_case(rank, "ours")
     table.add("FIX", "GatheredParametersAndBuffers(model, 0)", [max_cross_rank_diff(model), where[matches(model, sd)]],
+              max_cross_rank_diff(model) == 0 and matches(model, sd))
+    model = load_case(rank, "installed")
+    table.add("FIX", "install() + DeepSpeed's GatheredParameters", [max_cross_rank_diff(model),
+                                                                   where[matches(model, sd)]],
               max_cross_rank_diff(model) == 0 and matches(model, sd))
 
     for ours in (False, True):  # a body that raises: DeepSpeed commits rank 0's half-load, ours commits nothing
@@ -133,22 +147,25 @@ def main() -> None:
         torch.manual_seed(7)
         Tiny(TinyConfig()).save_pretrained(path)
     dist.barrier()
+    transformers_loads_everywhere = version_at_least("transformers", "5.6.0")
     for fixed in (False, True):
         torch.manual_seed(rank)
         keep = HfDeepSpeedConfig(zero3_config())  # noqa: F841 - transformers keeps a weakref: ZeRO-3 is on
         try:
-            if fixed:
-                with zb.install():
-                    model = Tiny.from_pretrained(path)
-            else:
+            with zb.install() if fixed else contextlib.nullcontext():
                 model = Tiny.from_pretrained(path)
         finally:
             unset_hf_deepspeed_config()
         partitioned = all_ranks(model.block.proj.weight.numel() == 0)
-        rope = zb.buffer_report(model).rows
-        diff = max(r.max_abs_diff for r in rope)
-        label = "install() + from_pretrained" if fixed else "from_pretrained under ZeRO-3"
-        table.add("FIX" if fixed else "BUG", label, [diff, "-"], partitioned and (diff == 0) == fixed)
+        rows = {r.name: r.max_abs_diff for r in zb.buffer_report(model).rows}
+        persistent = max(v for n, v in rows.items() if n != "rope")
+        kind = "FIX" if fixed else "BUG"
+        case = "install() + from_pretrained" if fixed else "from_pretrained under ZeRO-3"
+        if fixed or not transformers_loads_everywhere:
+            table.add(kind, f"{case}: checkpoint buffers", [persistent, "-"], partitioned and (persistent == 0) == fixed)
+        else:  # transformers 5.6+ gets these right itself: no bug to show
+            table.add("n/a", f"{case}: checkpoint buffers (transformers loads them)", [persistent, "-"], None)
+        table.add(kind, f"{case}: non-persistent buffer", [rows["rope"], "-"], partitioned and (rows["rope"] == 0) == fixed)
     table.finish()
 
 
