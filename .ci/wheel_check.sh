@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build the wheel, install it with torch alone (no DeepSpeed, transformers, Accelerate, NumPy) into a fresh venv,
+# and use it from there: the core API, `zero-buffers list`, and one repro script shipped inside the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+.venv/bin/pip wheel -q --no-deps -w "$work/dist" .
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q torch==2.13.0 "$work"/dist/zero_buffers-*.whl
+cd "$work"  # away from the source tree: everything below comes from the installed wheel
+"$work/venv/bin/python" - <<'EOF'
+import importlib.util
+import sys
+
+import torch
+
+import zero_buffers as zb
+
+assert zb.__file__.startswith(sys.prefix), zb.__file__
+report = zb.buffer_report(torch.nn.BatchNorm1d(3))
+assert len(report.rows) == 3 and not report.checked
+for missing in ("numpy", "deepspeed", "transformers", "accelerate"):
+    assert importlib.util.find_spec(missing) is None, f"{missing} should not be installed here"
+try:
+    zb.install()
+except zb.DeepSpeedUnavailableError as e:
+    print("install() without DeepSpeed:", e)
+else:
+    raise AssertionError("install() must need DeepSpeed")
+print("core API from the wheel: ok")
+EOF
+listing="$("$work/venv/bin/zero-buffers" list)"
+echo "$listing"
+for name in buffers_diverge ddp_bn_checkpoint zero3_load_buffers zero3_frozen_tokenizer zero3_frozen_hf_accelerate; do
+  grep -q "^$name " <<<"$listing" || { echo "zero-buffers list misses $name"; exit 1; }
+done
+OMP_NUM_THREADS=1 "$work/venv/bin/zero-buffers" repro buffers_diverge --nproc 2 --timeout 300
+echo "wheel check: ok"
