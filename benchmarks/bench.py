@@ -20,15 +20,16 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling")
+SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -177,7 +178,8 @@ def bench_broadcast(ctx: dict) -> list[dict]:
         model = scrambled(builder, rank, dev)
         tensors = [b for b in model.buffers()]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d]) for d in dict.fromkeys(t.dtype for t in tensors)]
+        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
+                 for d in dict.fromkeys(t.dtype for t in tensors)]
         res = {"set": name, "buffers": len(tensors), "bytes": nbytes}
         methods = {"per_buffer_loop": lambda: per_buffer_loop(tensors, 0),
                    "torch_broadcast_coalesced": lambda: torch_broadcast_coalesced(tensors, 0),
@@ -346,6 +348,143 @@ def bench_scaling(ctx: dict) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------
+# memory: the peak resident set of this process during one call (Linux), not counting what was there before
+# --------------------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_extra_bytes(fn: Callable[[], Any]) -> int:
+    """How far the resident set rose above its level before ``fn()`` while it ran (VmHWM after resetting it through
+    /proc/self/clear_refs). Large tensors are mmap'd and given back on free, so this sees their real peak."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current resident set
+    before = _status_kb("VmRSS")
+    fn()
+    return max(0, _status_kb("VmHWM") - before) * 1024
+
+
+def naive_report(tensors: list[torch.Tensor]) -> list[float]:
+    """What 0.1 did when buffers differed: all-gather every differing buffer to every rank, compare there."""
+    out = []
+    for t in tensors:
+        copies = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, t)
+        out.append(max(float((c - copies[0]).abs().max()) for c in copies))
+    return out
+
+
+def bench_report_diff(ctx: dict) -> list[dict]:
+    """Section 6: buffer_report when a large buffer differs on every rank, against all-gathering it to every rank
+    (what 0.1 did): time per call. The memory of the two is in section "memory"."""
+    import zero_buffers as zb
+
+    rows = []
+    for mb in ((1, 4) if ctx["quick"] else (4, 32, 128)):
+        model = nn.Module()
+        model.register_buffer("codebook", torch.full((mb * 2 ** 18,), float(ctx["rank"]), device=ctx["device"]))
+        report = zb.buffer_report(model)
+        if report.in_sync or report.rows[0].max_abs_diff != ctx["world"] - 1:
+            raise AssertionError("buffer_report missed the differing codebook")
+        tensors = [model.codebook]
+        t = timed_together({"zero_buffers.buffer_report": lambda: zb.buffer_report(model),
+                            "naive_all_gather": lambda: naive_report(tensors)}, max(3, ctx["repeats"] // 3),
+                           ctx["device"])
+        rows.append({"buffer_MB": mb, **t,
+                     "ours_over_naive": t["zero_buffers.buffer_report"] / t["naive_all_gather"]})
+        ctx["log"](f"report_diff {mb} MB: ours/naive {rows[-1]['ours_over_naive']:.2f}x")
+    return rows
+
+
+def _peaks(ctx: dict, fn: Callable[[], Any]) -> list[float]:
+    """Every rank's peak extra MiB for one ``fn()`` call (by rank)."""
+    peak = float(peak_extra_bytes(fn)) / 2 ** 20
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(ctx["world"])]
+    dist.all_gather(out, torch.tensor([peak], dtype=torch.float64))
+    return [float(p) for p in out]
+
+
+def bench_memory(ctx: dict) -> list[dict]:
+    """Section 7: peak extra memory per rank (its resident set above the level before the call; this section runs in
+    processes whose allocator hands every freed block >= 64 KiB back at once, so the resident set follows the live
+    tensors). (a) buffer_report of a differing codebook vs all-gathering it; (b) broadcast_buffers of buffers the
+    source must pack (transposed views), with the 250 MiB bucket cap, a 64 MiB cap and no cap."""
+    import zero_buffers as zb
+    from zero_buffers import _wire
+
+    rows = []
+    for mb in ((4,) if ctx["quick"] else (32, 128)):
+        model = nn.Module()
+        model.register_buffer("codebook", torch.full((mb * 2 ** 18,), float(ctx["rank"])))
+        tensors = [model.codebook]
+        ours, naive = _peaks(ctx, lambda: zb.buffer_report(model)), _peaks(ctx, lambda: naive_report(tensors))
+        rows.append({"what": f"report, {mb} MiB codebook differing", "data_MB": mb,
+                     "ours_max_rank_MB": max(ours), "naive_max_rank_MB": max(naive)})
+        ctx["log"](f"memory report {mb} MiB: ours {max(ours):.0f} MiB, naive {max(naive):.0f} MiB")
+    n, mb = (4, 2) if ctx["quick"] else (12, 32)
+    model = nn.Module()
+    g = torch.Generator().manual_seed(ctx["rank"])
+    for i in range(n):
+        model.register_buffer(f"b{i}", torch.rand(512, mb * 512, generator=g).t())
+    total = sum(b.numel() * b.element_size() for b in model.buffers()) / 2 ** 20
+    for label, cap in (("cap 250 MiB", 250 * 2 ** 20), ("cap 64 MiB", 64 * 2 ** 20), ("no cap", 1 << 62)):
+        _wire.BUCKET_BYTES = cap
+        try:
+            peaks = _peaks(ctx, lambda: zb.broadcast_buffers(model))
+            check_equal_to_src(model)
+        finally:
+            _wire.BUCKET_BYTES = 250 * 2 ** 20
+        rows.append({"what": f"broadcast, {label}", "data_MB": total, "source_MB": peaks[0],
+                     "receiver_max_MB": max(peaks[1:])})
+        ctx["log"](f"memory broadcast {label}: source {peaks[0]:.0f} MiB, receivers {max(peaks[1:]):.0f} MiB "
+                   f"of {total:.0f} MiB")
+    return rows
+
+
+def bench_frozen_real(ctx: dict) -> list[dict]:
+    """Section 8: the per-forward cost of frozen_replica on real transformers models against the same model as a
+    plain module under no_grad (the replica's no_grad wrapper, class swap and parameters() override)."""
+    from transformers import BertConfig, BertModel, ResNetConfig, ResNetModel
+
+    import zero_buffers as zb
+
+    def bert() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                         vocab_size=256)
+        return BertModel(cfg).eval()
+
+    def resnet34() -> nn.Module:
+        torch.manual_seed(0)
+        cfg = ResNetConfig(depths=[3, 4, 6, 3], layer_type="basic", hidden_sizes=[16, 32, 64, 128], embedding_size=16)
+        return ResNetModel(cfg).eval()
+
+    inputs = {"BERT (2 layers, hidden 64)": (bert, {"input_ids": torch.randint(0, 256, (4, 32))}),
+              "ResNet-34 (widths 16-128)": (resnet34, {"pixel_values": torch.randn(4, 3, 64, 64)})}
+    rows = []
+    for name, (build, batch) in inputs.items():
+        plain, replica = build(), zb.frozen_replica(build())
+        with torch.no_grad():
+            want = plain(**batch).last_hidden_state
+        torch.testing.assert_close(replica(**batch).last_hidden_state, want)
+
+        def plain_forward() -> Any:
+            with torch.no_grad():
+                return plain(**batch)
+
+        t = timed_together({"plain_no_grad": plain_forward, "frozen_replica": lambda: replica(**batch)},
+                           ctx["repeats"], ctx["device"])
+        rows.append({"model": name, **t, "frozen_over_plain": t["frozen_replica"] / t["plain_no_grad"]})
+        ctx["log"](f"frozen_real {name}: frozen/plain {rows[-1]['frozen_over_plain']:.3f}x")
+    return rows
+
+
 def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     """One rank: join the group, run the asked sections, rank 0 writes JSON."""
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", RANK=str(rank),
@@ -361,7 +500,8 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
     ctx = {"rank": rank, "world": world, "device": device, "quick": args.quick, "log": log,
            "repeats": 3 if args.quick else args.repeats}
     funcs = {"broadcast": bench_broadcast, "check": bench_check, "frozen": bench_frozen, "bn": bench_bn,
-             "scaling": bench_scaling}
+             "scaling": bench_scaling, "report_diff": bench_report_diff, "memory": bench_memory,
+             "frozen_real": bench_frozen_real}
     results = {}
     for section in args.only:
         log(f"section {section} ...")
@@ -379,8 +519,25 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
     os._exit(0)
 
 
-def run_world(world: int, args: argparse.Namespace) -> dict:
-    """Spawn ``world`` ranks for the sections asked; return rank 0's results."""
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # glibc: free hands big blocks back
+
+
+def run_world(world: int, args: argparse.Namespace, env: dict[str, str] | None = None) -> dict:
+    """Spawn ``world`` ranks for the sections asked (with ``env`` added to their environment); return rank 0's
+    results."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        return _spawn(world, args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spawn(world: int, args: argparse.Namespace) -> dict:
     import socket
 
     with socket.socket() as s:
@@ -401,7 +558,7 @@ def _fmt(v: Any) -> str:
 
 def markdown(all_results: list[dict], meta: dict) -> str:
     """The results as Markdown tables (times in ms; ratios as x)."""
-    lines = [f"# zero_buffers benchmarks", "", f"{meta['when']} on {meta['machine']}; torch {meta['torch']}; "
+    lines = ["# zero_buffers benchmarks", "", f"{meta['when']} on {meta['machine']}; torch {meta['torch']}; "
              f"{'quick mode (sizes too small to claim anything)' if meta['quick'] else 'default sizes'}. "
              "Median of the slowest rank over repeats.", ""]
     for res in all_results:
@@ -482,8 +639,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    all_results = [run_world(w, args) for w in args.world]
-    meta = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    all_results = []
+    for w in args.world:
+        timing = argparse.Namespace(**{**vars(args), "only": [x for x in args.only if x != "memory"]})
+        result = run_world(w, timing) if timing.only else {"world": w, "results": {}}
+        if "memory" in args.only:
+            measured = run_world(w, argparse.Namespace(**{**vars(args), "only": ["memory"]}), MEMORY_ENV)
+            result.setdefault("backend", measured["backend"])
+            result.setdefault("device", measured["device"])
+            result["results"]["memory"] = measured["results"]["memory"]
+        all_results.append(result)
+    meta = {"when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
                        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
             "torch": torch.__version__, "quick": args.quick, "seconds": round(time.perf_counter() - started, 1)}
