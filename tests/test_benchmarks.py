@@ -21,13 +21,18 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     run = data["runs"][0]
     assert run["world"] == 2 and data["meta"]["quick"] is True
     results = run["results"]
-    assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling"}
+    assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real"}
     methods = {"per_buffer_loop", "torch_broadcast_coalesced", "zero_buffers.broadcast_buffers", "raw_flat_broadcast"}
     for row in results["broadcast"]:
         assert methods <= row.keys() and all(row[m] > 0 for m in methods) and row["bytes"] > 0
     assert {r["set"] for r in results["broadcast"]} == {"resnet50_bn", "vit_nonpersistent", "resnet50_bn_bf16"}
     assert [r["buffers"] for r in results["scaling"]] == [10, 50]
     assert len(results["frozen"]) == 2 and all(r["plain"] > 0 for r in results["frozen"])
+    assert [r["buffer_MB"] for r in results["report_diff"]] == [1, 4]
+    assert all(r["zero_buffers.buffer_report"] > 0 and r["naive_all_gather"] > 0 for r in results["report_diff"])
+    caps = [r["what"] for r in results["memory"] if r["what"].startswith("broadcast")]
+    assert caps == ["broadcast, cap 250 MiB", "broadcast, cap 64 MiB", "broadcast, no cap"]
+    assert {r["model"].split()[0] for r in results["frozen_real"]} == {"BERT", "ResNet-34"}
     md = (tmp_path / "results.md").read_text()
     assert "## world size 2" in md and "### broadcast" in md and "quick mode" in md
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
