@@ -7,8 +7,15 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import (ZERO3_CONFIG, buffers, init_deepspeed, log_collectives, log_deepspeed_comm,
-                           restore_collectives, same_state)
+from tests.helpers import (
+    ZERO3_CONFIG,
+    buffers,
+    init_deepspeed,
+    log_collectives,
+    log_deepspeed_comm,
+    restore_collectives,
+    same_state,
+)
 
 
 class Tokenizer(nn.Module):
@@ -231,6 +238,7 @@ def _frozen(rank, world, src):
     try:
         parent = nn.Sequential(replica)
         parent.train()  # a training loop switching everything to train mode must not move BN stats
+        replica.bn.train()  # nor a call on an inner module
         x = torch.ones(2, 3, 4, 4, 4, requires_grad=True)  # autograd would track the output through x
         y = replica(x)
     finally:
@@ -239,10 +247,17 @@ def _frozen(rank, world, src):
     # the control: the same module and input through the unfrozen class's forward (no no_grad) is tracked
     control = Tokenizer.forward(replica, x)
     state = replica.state_dict()
+    weights = list(replica.parameters())
     return dict(same_object=replica is tok, keys=keys, new_keys=list(state.keys()), state=state, calls=calls,
                 y=y.detach(), grad=y.requires_grad or y.grad_fn is not None,
                 control_grad=control.requires_grad and control.grad_fn is not None,
-                params=len(list(replica.parameters())), training=replica.training,
+                params=len(weights), real_params=sum(len(m._parameters) for m in replica.modules()),
+                plain_weights=all(type(w) is torch.Tensor and not hasattr(w, "ds_id") and w.numel() > 0
+                                  and not w.requires_grad for w in weights),
+                own_params=len(list(replica.parameters(recurse=False))),
+                frozen=zb.is_frozen_replica(replica) and all(zb.is_frozen_replica(m) for m in replica.modules()),
+                names=[type(m).__name__ for m in replica.modules()],
+                training=replica.training or any(m.training for m in replica.modules()),
                 tied=replica.proj.weight is replica.proj2.weight, before=before, name=type(replica).__name__,
                 stats_after=buffers(replica))
 
@@ -253,12 +268,17 @@ def test_frozen_replica_is_a_full_identical_no_grad_replica(ranks, src_kind):
     out = ranks.run(_frozen, src, timeout=120)
     sd = pretrained()
     for r in out:
-        assert r["same_object"] and r["name"] == "FrozenTokenizer"
+        assert r["same_object"] and r["frozen"]
+        # every module keeps its class name (save_pretrained / pickling name the original class)
+        assert r["name"] == "Tokenizer" and r["names"] == ["Tokenizer", "Conv3d", "BatchNorm3d", "Linear", "Linear"]
         assert r["new_keys"] == r["keys"]  # same state_dict keys, same order
         assert same_state(r["state"], out[src]["state"])  # everything equals rank src's
         assert r["calls"] == []  # forward: no all-gather, no broadcast
         assert not r["grad"] and r["control_grad"]  # forward runs under no_grad, even for an input needing grad
-        assert r["params"] == 0 and not r["training"] and r["tied"]
+        # parameters() yields the 7 weights (the tied one once) as full plain tensors, without ds_id; no real
+        # nn.Parameter is left anywhere, and the per-module walk (recurse=False) engines use sees none
+        assert r["params"] == 7 and r["plain_weights"] and r["real_params"] == 0 and r["own_params"] == 0
+        assert not r["training"] and r["tied"]
         assert torch.equal(r["y"], out[0]["y"])  # same output on every rank for the same input
         assert same_state(r["stats_after"], {k: r["state"][k] for k in r["stats_after"]})  # BN did not update
     if src == 0:
@@ -300,15 +320,21 @@ def _in_engine(rank, world, path):
         tok.bn.running_mean.fill_(123.0)  # clobber, then restore from the checkpoint
     engine.load_checkpoint(path, tag="t")
     head_partitioned = all(hasattr(p, "ds_id") for p in model.head.parameters())  # small ones stay resident
-    return frozen, trained, {k: v.clone() for k, v in tok.state_dict().items()}, head_partitioned, engine.training
+    whole = (len(list(tok.parameters())) == 7 and not any(hasattr(t, "ds_id") for t in tok.parameters())
+             and not any(hasattr(t, "ds_id") for t in tok.buffers()) and zb.is_frozen_replica(tok)
+             and sum(len(m._parameters) for m in tok.modules()) == 0
+             and [n for n, _ in engine.module.named_parameters()] == ["head.weight", "head.bias"])
+    return (frozen, trained, {k: v.clone() for k, v in tok.state_dict().items()}, head_partitioned, whole,
+            tok.training)
 
 
 def test_frozen_replica_survives_deepspeed_initialize_training_and_checkpoints(ranks, tmp_path):
     out = ranks.run(_in_engine, str(tmp_path), timeout=180)
     sd = pretrained()
-    for frozen, trained, reloaded, head_partitioned, _ in out:
+    for frozen, trained, reloaded, head_partitioned, whole, training in out:
         assert head_partitioned  # the engine took the trainable part under ZeRO-3 ...
         assert same_state(trained, frozen) and same_state(reloaded, frozen)  # ... and left the replica whole
+        assert whole and not training  # not partitioned, not an engine parameter, still in eval mode
         assert same_state({k: frozen[k] for k in sd}, sd)
 
 
@@ -320,21 +346,32 @@ def _frozen_twice_and_failing(rank, world):
         tok.bn.running_mean.add_(rank)
     again = zb.frozen_replica(tok, src=world - 1)  # already a replica: just re-broadcast
     lone = Tokenizer() if rank == 0 else nn.Sequential(Tokenizer(), nn.BatchNorm1d(2))
-    cls, params = type(lone), {n: p for n, p in lone.named_parameters()}
+    classes = [type(m) for m in lone.modules()]
+    params = {n: p for n, p in lone.named_parameters()}
+    bufs = {n: b for n, b in lone.named_buffers()}
+    keys = list(lone.state_dict().keys())
     try:
         zb.frozen_replica(lone)
     except zb.BufferStructureError:
         failed = True
     else:
         failed = False
-    restored = type(lone) is cls and {n: p for n, p in lone.named_parameters()} == params
-    return first, buffers(again), type(again).__name__, failed, restored
+    restored = ([type(m) for m in lone.modules()] == classes
+                and not any(zb.is_frozen_replica(m) for m in lone.modules())
+                and {n: p for n, p in lone.named_parameters()} == params  # the very same nn.Parameter objects
+                and all(isinstance(p, nn.Parameter) and p.requires_grad for p in lone.parameters())
+                and {n: b for n, b in lone.named_buffers()} == bufs and list(lone.state_dict().keys()) == keys
+                and not any("_zb_weights" in vars(m) for m in lone.modules()))
+    twice = (zb.is_frozen_replica(again) and len(list(again.parameters())) == 7
+             and sum(len(m._parameters) for m in again.modules()) == 0
+             and list(again.state_dict().keys()) == list(Tokenizer().state_dict().keys()))
+    return first, buffers(again), type(again).__name__, failed, restored, twice
 
 
 def test_frozen_replica_is_idempotent_and_a_failed_call_changes_nothing(ranks):
     out = ranks.run(_frozen_twice_and_failing)
     f0, a0 = out[0][0], out[0][1]
-    for first, again, name, failed, restored in out:
-        assert same_state(first, f0) and same_state(again, a0) and name == "FrozenTokenizer"
+    for first, again, name, failed, restored, twice in out:
+        assert same_state(first, f0) and same_state(again, a0) and name == "Tokenizer" and twice
         assert failed and restored
     assert torch.equal(a0["bn.running_mean"], f0["bn.running_mean"] + ranks.world_size - 1)  # the last rank's won
