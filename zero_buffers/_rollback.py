@@ -88,6 +88,6 @@ class Snapshot:
                         data.copy_(copy)
                     else:  # resized in place
                         t.data = copy.to(data.device)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - keep restoring the others; reported together
                     problems.append(f"{type(e).__name__}: {e}")
         return problems

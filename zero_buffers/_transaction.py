@@ -97,7 +97,7 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
     if failure is None and problem is None:
         try:
             space = prepare()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - a vote; re-raised on every rank below
             failure = e
     votes = _structure.agree(g, call, entries, deadline, what, status=int(failure is not None))
     if problem is not None:
@@ -107,7 +107,7 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
         exchange(space)
     except CollectiveError:
         raise
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - a vote
         failure = e
     received = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
     abort_if_any(g, received, failure, deadline, what, "receiving failed", unchanged)

@@ -112,7 +112,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
                 source = _batches(data)
                 with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
                     runner.run_all(_limit(source, num_batches), bar)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 failure = e
         if failure is not None and g is None:
             raise RecomputeError(f"{_FN}() failed: {type(failure).__name__}: {failure}. No buffer was modified.",

@@ -143,7 +143,7 @@ class _Commit:
         elif self.take_snapshot:
             try:
                 self.saved = Snapshot.take(self.modules)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - a vote
                 failure = e
         if self.g is None:
             if failure is not None:
