@@ -490,9 +490,11 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
     os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_PORT=os.environ["ZB_BENCH_PORT"])
     torch.set_num_threads(1)
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and not args.cuda_gloo
     device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    if args.cuda_gloo:  # one GPU, shared: CUDA tensors over gloo (an nccl world needs one GPU per rank)
+        device = torch.device("cuda", 0)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
@@ -635,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 repeats: correctness only")
+    parser.add_argument("--cuda-gloo", action="store_true",
+                        help="every rank's tensors on cuda:0, over gloo (one GPU shared by the ranks)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
