@@ -1,0 +1,100 @@
+"""The declared version ranges are the ones CI runs, and docs/versions.md's per-version claims hold on this stack.
+
+.ci/run runs this file on both stacks (newest pins and oldest supported versions).
+"""
+from __future__ import annotations
+
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from packaging.version import Version
+from torch import nn
+
+import zero_buffers as zb
+from tests.helpers import ZERO3_CONFIG, init_deepspeed
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pins(name: str) -> dict[str, str]:
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (ROOT / name).read_text(), re.M))
+
+
+def test_pyproject_floors_are_the_oldest_stack_ci_runs():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = {}
+    for spec in project["dependencies"] + project["optional-dependencies"]["all"]:
+        m = re.match(r"([A-Za-z0-9_.-]+)>=(\S+)", spec)
+        if m:
+            floors[m[1]] = m[2]
+    oldest, newest = _pins("constraints-oldest.txt"), _pins("constraints.txt")
+    for package in ("torch", "deepspeed", "accelerate", "transformers"):
+        assert Version(floors[package]) == Version(oldest[package]) or (
+            package == "transformers" and Version(oldest[package]).release[:2] == Version(floors[package]).release[:2]
+        ), (package, floors[package], oldest[package])
+        assert Version(newest[package]) >= Version(oldest[package])
+
+
+def test_this_stack_is_one_of_the_two_ci_runs():
+    installed = {p: version(p) for p in ("deepspeed", "accelerate", "transformers")}
+    stacks = [{p: v for p, v in _pins(f).items() if p in installed}
+              for f in ("constraints.txt", "constraints-oldest.txt")]
+    assert installed in stacks, (installed, stacks)
+
+
+class _Net(nn.Module):
+    def __init__(self, config=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+
+def _from_pretrained(rank, world, path, fixed):
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    init_deepspeed()
+
+    class VersionsConfig(PretrainedConfig):
+        model_type = "zb_versions"
+
+    class VersionsModel(PreTrainedModel):
+        config_class = VersionsConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.net = _Net()
+            self.post_init()
+
+    if rank == 0:
+        torch.manual_seed(3)
+        ref = VersionsModel(VersionsConfig())
+        with torch.no_grad():
+            ref.net.bn.running_mean.copy_(torch.arange(4.0) + 1)
+            ref.net.bn.num_batches_tracked.fill_(9)
+        ref.save_pretrained(path)
+    torch.distributed.barrier()
+    keep = HfDeepSpeedConfig(ZERO3_CONFIG)  # noqa: F841 - transformers holds a weakref: ZeRO-3 is on
+    try:
+        if fixed:
+            with zb.install():
+                model = VersionsModel.from_pretrained(path)
+        else:
+            model = VersionsModel.from_pretrained(path)
+    finally:
+        unset_hf_deepspeed_config()
+    return model.net.bn.running_mean.clone(), int(model.net.bn.num_batches_tracked)
+
+
+def test_from_pretrained_under_zero3_loads_checkpoint_buffers_as_documented(ranks2, tmp_path):
+    want = torch.arange(4.0) + 1
+    every_rank = Version(version("transformers")) >= Version("5.6.0")  # docs/versions.md
+    plain = ranks2.run(_from_pretrained, str(tmp_path / "a"), False, timeout=120)
+    assert torch.equal(plain[0][0], want) and plain[0][1] == 9
+    assert torch.equal(plain[1][0], want) == every_rank, (version("transformers"), plain[1])
+    fixed = ranks2.run(_from_pretrained, str(tmp_path / "b"), True, timeout=120)
+    assert all(torch.equal(mean, want) and count == 9 for mean, count in fixed)
