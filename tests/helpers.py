@@ -184,3 +184,116 @@ def run_cmd(args: list[str], timeout: float, **kw) -> subprocess.CompletedProces
 def _tail(text: str | bytes, n: int = 3000) -> str:
     text = text.decode(errors="replace") if isinstance(text, bytes) else text
     return text[-n:]
+
+
+# ---- table-driven multi-rank tests: many cases in one pool task, every failing case reported by name --------------
+def logged_call(call) -> dict:
+    """Run ``call()`` with every collective logged (:func:`log_collectives`); return what happened, picklable:
+    ``error`` (None, or type name, message, and the error's ``name``, ``details``, ``ranks``, ``reasons`` and the type
+    name of its ``__cause__``), ``value`` (what the call returned, if it pickles) and ``log``."""
+    import pickle
+
+    log: list = []
+    real = log_collectives(log)
+    try:
+        value, error = call(), None
+    except Exception as e:  # noqa: BLE001 - every outcome is data for the parent's assertions
+        value, error = None, (type(e).__name__, str(e), getattr(e, "name", None), getattr(e, "details", None),
+                              getattr(e, "ranks", None), getattr(e, "reasons", None),
+                              type(e.__cause__).__name__ if e.__cause__ is not None else None)
+    finally:
+        restore_collectives(real)
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001
+        value = repr(value)[:200]
+    return {"error": error, "value": value, "log": log}
+
+
+FENCE_SECONDS = 30.0
+
+
+def fence(index: int, world: int) -> bool:
+    """A control collective between two table cases: every rank must be at case ``index``. int32 x 7, a shape no
+    library collective uses, so it cannot pair with one a desynchronised peer is still waiting in."""
+    import datetime
+
+    mine = torch.full((7,), index, dtype=torch.int32)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(out, mine, async_op=True).wait(timeout=datetime.timedelta(seconds=FENCE_SECONDS))
+    except RuntimeError:
+        return False
+    return all(bool((o == index).all()) for o in out)
+
+
+def run_table(world: int, names, run_case) -> dict:
+    """In a rank body: ``run_case(name)`` for every case name, in order, with a :func:`fence` after each. A case that
+    raises is recorded as ``{"crashed": traceback}``; if the ranks fall out of step the table stops there and the
+    key ``"<desynchronised>"`` names the case after which it happened (the process group is then suspect)."""
+    import traceback
+
+    results: dict = {}
+    for i, name in enumerate(names):
+        try:
+            results[name] = run_case(name)
+        except BaseException as e:  # noqa: BLE001 - reported per case by the parent
+            results[name] = {"crashed": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"}
+        if not fence(i, world):
+            results["<desynchronised>"] = name
+            break
+    return results
+
+
+def check_table(names, per_rank: list, check) -> None:
+    """In the parent: ``check(name, [rank 0's result, rank 1's, ...])`` for every case; one AssertionError listing
+    every failing case by name (and the cases the ranks never reached)."""
+    failures = []
+    stopped = [r.get("<desynchronised>") for r in per_rank if r.get("<desynchronised>")]
+    if stopped:
+        failures.append(f"<table>: ranks fell out of step after case {stopped[0]!r}")
+    for name in names:
+        results = [r.get(name) for r in per_rank]
+        if any(res is None for res in results):
+            failures.append(f"{name}: not run on rank(s) {[i for i, res in enumerate(results) if res is None]}")
+            continue
+        crashed = [(i, res["crashed"]) for i, res in enumerate(results) if "crashed" in res]
+        if crashed:
+            failures.append(f"{name}: the case itself crashed on rank {crashed[0][0]}: {crashed[0][1]}")
+            continue
+        try:
+            check(name, results)
+        except AssertionError as e:
+            failures.append(f"{name}: {str(e)[:1500] or 'assertion failed'}")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {len(names)} cases failed:\n" + "\n".join(failures))
+
+
+# ---- what the installed DeepSpeed / transformers do (CI also runs the stack tests on the oldest versions) ----
+def deepspeed_source_has(marker: str, path: str = "deepspeed/runtime/zero/partition_parameters.py") -> bool:
+    """Whether the installed DeepSpeed's ``path`` contains ``marker`` (a feature check that imports nothing)."""
+    import importlib.metadata
+
+    try:
+        return marker in importlib.metadata.distribution("deepspeed").locate_file(path).read_text()
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return False
+
+
+def package_major(name: str) -> int:
+    """The installed major version of a distribution (0 when it is not installed)."""
+    import importlib.metadata
+
+    try:
+        return int(importlib.metadata.version(name).split(".")[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return 0
+
+
+# GatheredParameters marks the parameters it holds and refuses overlapping nested contexts (DeepSpeed 0.17+); before
+# that an inner context on held parameters re-partitions them under the outer one, and zero_buffers cannot tell.
+DS_NESTING_CHECK = deepspeed_source_has("DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR")
+# ... and with enable_sanity_checks, modifier_rank=None raises on an in-place write on any rank.
+DS_SANITY_WRITE_CHECK = deepspeed_source_has("_param_versions")
+# transformers 5.x broadcasts checkpoint buffers in from_pretrained under ZeRO-3; 4.x loads them on rank 0 only.
+HF5 = package_major("transformers") >= 5

@@ -58,7 +58,9 @@ class Snapshot:
                     return True
         with torch.no_grad():
             for t, data, copy in self.values:
-                if t.data is not data or (copy is not None and not torch.equal(data.cpu(), copy)):
+                live = t.data  # a new alias object on every access: compare what it points at, not its identity
+                if (live.data_ptr() != data.data_ptr() or live.shape != data.shape or live.dtype != data.dtype
+                        or live.device != data.device or (copy is not None and not torch.equal(data.cpu(), copy))):
                     return True
         return False
 

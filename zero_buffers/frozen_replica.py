@@ -63,6 +63,30 @@ def _without_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+_CASTS = ("half", "bfloat16", "float", "double", "to", "type")
+_casting = [0]  # > 0 while a cast was asked of a replica itself (then its children follow it)
+
+
+def _cast_directly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (``half``, ``to`` ...) called on the replica: its ``_apply`` casts as asked."""
+    @functools.wraps(method)
+    def wrapper(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _casting[0] += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _casting[0] -= 1
+    return wrapper
+
+
+def _device_only(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` as a parent's ``_apply`` gives it, minus any change of dtype (learned from an empty probe)."""
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+    return apply
+
+
 def _public_methods(cls: type) -> set[str]:
     """forward, generate, and the public functions the model's own classes define (up to library base classes)."""
     names = {"forward"} | ({"generate"} if hasattr(cls, "generate") else set())
@@ -103,6 +127,11 @@ def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
                                        "require grad (train the original module instead)")
         return self
 
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        # a parent's .half() / .bfloat16() / .to(dtype) (DeepSpeed 0.16's engine casts the whole model) moves the
+        # replica's tensors but keeps their dtype; a cast asked of the replica itself is honoured
+        return cls._apply(self, fn if _casting[0] else _device_only(fn), recurse)
+
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
         return _rebuild, (cls, root, no_grad), self.__getstate__()
 
@@ -112,6 +141,7 @@ def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
         return cls(*args, **kwargs)
 
     ns: dict[str, Any] = {"named_parameters": named_parameters, "train": train, "requires_grad_": requires_grad_,
+                          "_apply": _apply, **{n: _cast_directly(getattr(cls, n)) for n in _CASTS},
                           "__reduce_ex__": __reduce_ex__, "__new__": __new__, "_zb_frozen": True, "_zb_original": cls,
                           "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
     if root:

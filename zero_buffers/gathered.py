@@ -138,9 +138,9 @@ class _Commit:
         """Vote (on the structure, overlapping outer contexts and the rollback copy), then gather."""
         failure: _transaction.Failure = None
         held = [p for p in self.zero if ds_compat.held(p)]
-        if held:
-            failure = str(_overlap_error(held))
-        elif self.take_snapshot:
+        if held:  # as DeepSpeed: on this rank, before any collective (the outer context may be this rank's alone)
+            raise _overlap_error(held)
+        if self.take_snapshot:
             try:
                 self.saved = Snapshot.take(self.modules)
             except BaseException as e:  # noqa: BLE001 - a vote

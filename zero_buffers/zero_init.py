@@ -318,7 +318,7 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
             if modifier_rank is None or not enabled:
                 return
             if not self.enabled:  # no ZeRO parameter: DeepSpeed's no-op, and ours
-                given = [params] if isinstance(params, torch.Tensor) else params or []
+                given = params if isinstance(params, list) else [params]  # DeepSpeed's own normalisation
                 if _loading[0] == 0 and any(isinstance(t, torch.Tensor) for t in given):
                     _warn_once("no-zero", "zero_buffers.install(): GatheredParameters(modifier_rank=...) got no ZeRO "
                                "parameter, so it is a no-op (in DeepSpeed too) and zero_buffers cannot tell which "
