@@ -184,17 +184,17 @@ class _Accumulators:
         self.s2[i] = self.s2[i].to(s2.device) + s2
 
     def pack(self, world: int, me: int, failed: bool) -> torch.Tensor:
-        """[failed flag per member] [batches] + per layer [calls, n, s1 (C), s2 (C)], float64 on CPU."""
-        parts = [torch.zeros(world, dtype=torch.float64), torch.tensor([0 if failed else self.batches],
-                                                                       dtype=torch.float64)]
-        if failed:
-            parts[0][me] = 1.0
-        for i in range(len(self.layers)):
-            ok = not failed
-            parts.append(torch.tensor([self.calls[i] if ok else 0, self.n[i] if ok else 0], dtype=torch.float64))
-            parts.append(self.s1[i].cpu() if ok else torch.zeros_like(self.s1[i], device="cpu"))
-            parts.append(self.s2[i].cpu() if ok else torch.zeros_like(self.s2[i], device="cpu"))
-        return torch.cat(parts)
+        """[failed flag per member] [batches] + per layer [calls, n, s1 (C), s2 (C)], float64 on CPU (the sums are
+        concatenated where they are and copied to the host once)."""
+        head = torch.zeros(world + 1, dtype=torch.float64)
+        head[me] = float(failed)
+        head[world] = 0 if failed else self.batches
+        counts = torch.tensor([[c, n] for c, n in zip(self.calls, self.n)], dtype=torch.float64).reshape(-1, 2)
+        sums = [torch.cat([s1, s2]) for s1, s2 in zip(self.s1, self.s2)]
+        device = sums[0].device if sums else torch.device("cpu")
+        layers = torch.cat([torch.cat([c.to(device), s.to(device)]) for c, s in zip(counts, sums)]).cpu() if sums \
+            else torch.zeros(0, dtype=torch.float64)
+        return torch.cat([head, torch.zeros_like(layers) if failed else layers])
 
 
 def _local_sync_bn_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch.Tensor:
