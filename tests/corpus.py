@@ -75,8 +75,9 @@ import os
 import pickle
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -15,6 +15,7 @@ on the next call. Every other failure (a rank raises, an unlisted rank dies, the
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -24,10 +25,9 @@ import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import multiprocessing as mp
+from typing import Any
 
 _CTX = mp.get_context("spawn")
 
@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, store_path: str, port: int, stack_path: str, 
                       MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), ZB_TEST_WORKER="1")
     import faulthandler
-    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=open(stack_path, "w"), all_threads=True)  # noqa: SIM115 - lives as long as the worker
     import datetime
 
     import torch

@@ -189,7 +189,8 @@ def _accelerate(rank, world, folder, use_deepspeed, policy):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 8
             accelerator = Accelerator(deepspeed_plugin=plugin, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
         else:
-            accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+            accelerator = Accelerator(cpu=True,
+                                      kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
         net = make_net()
         model, opt = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=0.05))
         kind = type(model).__name__
@@ -279,7 +280,7 @@ def test_accelerate_save_state_deepspeed_zero3_path(ranks, tmp_path):
     assert differs(default_fp32, truth)
     assert differs(bn_state(torch.load(tmp_path / "default_16bit.pt")), truth)
 
-    for r, files in enumerate(_zero3_rank_files(tmp_path / "fixed" / "pytorch_model", world)):
+    for files in _zero3_rank_files(tmp_path / "fixed" / "pytorch_model", world):
         assert_stats(files, truth)
     assert_stats(bn_state(_zero_to_fp32(tmp_path / "fixed", "pytorch_model")), truth)
     assert_stats(bn_state(torch.load(tmp_path / "fixed_16bit.pt")), truth)

@@ -39,6 +39,7 @@ def _rank1_skips(rank, world):
 
 def _rank1_dies(rank, world):
     import os
+
     import torch
     import torch.distributed as dist
     if rank == 1:
@@ -121,3 +122,46 @@ def test_allow_dead_still_fails_on_errors_and_on_unlisted_deaths(ranks2):
     with pytest.raises(ValueError, match="proper subset"):
         ranks2.run(_rank_and_sum, allow_dead=[0, 1])
     assert ranks2.run(_rank_and_sum)[0] == (0, 2, 1.0)
+
+
+# ---- the table helpers (tests/helpers.py): many cases in one task, every failing case named ----------------------
+def test_check_table_names_every_failing_case():
+    from tests.helpers import check_table
+
+    per_rank = [{"ok": {"v": 1}, "bad": {"v": 2}, "worse": {"v": 3}, "crash": {"crashed": "ValueError: boom"}},
+                {"ok": {"v": 1}, "bad": {"v": 2}, "worse": {"v": 3}, "crash": {"v": 0}}]
+
+    def check(name, res):
+        assert res[0]["v"] == 1, f"v={res[0]['v']}"
+
+    with pytest.raises(AssertionError) as info:
+        check_table(["ok", "bad", "worse", "crash", "never run"], per_rank, check)
+    text = str(info.value)
+    assert text.startswith("4 of 5 cases failed:\n"), text
+    assert "bad: v=2" in text and "worse: v=3" in text and "\nok:" not in text, text
+    assert "crash: the case itself crashed on rank 0: ValueError: boom" in text, text
+    assert "never run: not run on rank(s) [0, 1]" in text, text
+    check_table(["ok"], per_rank, check)  # nothing failing: no error
+
+
+def _tables(rank, world, desync):
+    import tests.helpers as helpers
+
+    helpers.FENCE_SECONDS = 2.0  # this worker is thrown away afterwards
+
+    def case(name):
+        if desync and name == "b" and rank == 0:  # rank 0 enters a collective its peer never issues
+            import torch
+            import torch.distributed as dist
+            dist.all_gather([torch.empty(7, dtype=torch.int32) for _ in range(world)],
+                            torch.full((7,), 99, dtype=torch.int32), async_op=True)
+        return {"rank": rank, "case": name}
+
+    return helpers.run_table(world, ["a", "b", "c"], case)
+
+
+def test_run_table_runs_every_case_and_stops_where_ranks_fall_out_of_step(ranks2):
+    out = ranks2.run(_tables, False)
+    assert out == [{n: {"rank": r, "case": n} for n in "abc"} for r in range(2)]
+    out = ranks2.run(_tables, True, allow_dead=[1], timeout=60)  # the group is suspect afterwards: rebuild it
+    assert out[0]["<desynchronised>"] == "b" and "c" not in out[0], out

@@ -66,7 +66,7 @@ def _fails_while_receiving(rank, world, where):
     real = dist.broadcast
 
     def failing_broadcast(*args, **kwargs):
-        work = real(*args, **kwargs)
+        real(*args, **kwargs)  # the collective went out; then this rank fails
         raise RuntimeError("CUDA out of memory (simulated while receiving)")
 
     before = buffers(model)

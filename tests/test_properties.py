@@ -319,7 +319,7 @@ def _check_report(spec, out):
     reports = [r for r, _, _, _ in out]
     assert all(r == reports[0] for r in reports)  # identical on every rank
     report = reports[0]
-    qual, entries = _expected_entries(spec)
+    _, entries = _expected_entries(spec)
     assert [row.name for row in report.rows] == [name for name, _ in entries]
     for row, (name, k) in zip(report.rows, entries):
         b = spec["buffers"][_root(spec, k)]
@@ -482,3 +482,20 @@ def test_the_strategies_can_produce_every_case():
          ("atol", 0.0), ("atol", 0.5), ("atol", 100.0), ("params", True), ("differs", True),
          ("differs", False)} | {("special", s) for s in SPECIALS}
     assert expected <= seen, expected - seen
+
+    bn_seen: set = set()
+
+    @_settings(150)
+    @given(spec=bn_specs(2))
+    def collect_bn(spec):
+        for s in spec["layers"]:
+            bn_seen.update({("kind", s["kind"]), ("dtype", s["dtype"]), ("track", s["track"]),
+                            ("counter", s["counter"]), ("nested", s["nested"])})
+            if s["track"] and s["counter"]:
+                bn_seen.add(("all counts 0", sum(s["counts"]) == 0))
+                bn_seen.add(("uneven counts", len(set(s["counts"])) > 1))
+
+    collect_bn()
+    bn_expected = {("kind", k) for k in BN_KINDS} | {("dtype", d) for d in BN_DTYPES} | \
+        {(f, v) for f in ("track", "counter", "nested", "all counts 0", "uneven counts") for v in (True, False)}
+    assert bn_expected <= bn_seen, bn_expected - bn_seen

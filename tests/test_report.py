@@ -2,28 +2,28 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
+from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import Toy, buffers, log_collectives, restore_collectives, same_state, scramble
-
-
-def _gathers_during(fn):
-    """Run ``fn()``; return its result and how many all_gathers it issued."""
-    log: list = []
-    real = log_collectives(log)
-    try:
-        result = fn()
-    finally:
-        restore_collectives(real)
-    return result, sum(1 for entry in log if entry[0] == "all_gather")
+from tests.helpers import (
+    Toy,
+    buffers,
+    check_table,
+    log_collectives,
+    logged_call,
+    restore_collectives,
+    run_table,
+    same_state,
+    scramble,
+)
 
 
 def _report(rank, world, differ_on, atol=0.0):
     """Identical buffers except: 'codebook' +0.5*rank on ``differ_on`` ranks, 'steps' +rank, bf16 NaN on rank 1."""
-    torch.manual_seed(0)
     model = scramble(Toy(), 0)
     with torch.no_grad():
         if rank in differ_on:
@@ -31,75 +31,134 @@ def _report(rank, world, differ_on, atol=0.0):
             model.steps += rank
         if rank == 1:
             model.bf16[0] = float("nan")
-    return _gathers_during(lambda: zb.buffer_report(model, atol=atol))
+    return logged_call(lambda: zb.buffer_report(model, atol=atol))
 
 
 def test_report_flags_exactly_the_differing_buffers_identically_on_every_rank(ranks):
     world = ranks.world_size
     differ_on = [r for r in range(1, world) if r != 2]  # rank 2 (when present) agrees with rank 0
     out = ranks.run(_report, differ_on)
-    reports = [r for r, _ in out]
+    reports = [o["value"] for o in out]
     assert all(r == reports[0] for r in reports)  # the same report on every rank
     rows = {row.name: row for row in reports[0].rows}
     assert {n for n, r in rows.items() if not r.in_sync} == {"codebook", "steps", "bf16"}
     assert rows["codebook"].differing_ranks == tuple(differ_on)
     assert rows["codebook"].max_abs_diff == pytest.approx(0.5 * max(differ_on))
+    reference = scramble(Toy(), 0)
+    assert rows["codebook"].max_rel_diff == pytest.approx(0.5 * max(differ_on) / float(reference.codebook.abs().max()))
     assert rows["steps"].max_abs_diff == max(differ_on) and rows["steps"].dtype == "int64"
     assert rows["bf16"].differing_ranks == (1,) and math.isinf(rows["bf16"].max_abs_diff)
     assert rows["rope"].in_sync and not rows["rope"].persistent and rows["codebook"].persistent
     assert rows["bn.running_mean"].in_sync and rows["bn.running_mean"].max_abs_diff == 0
-    assert reports[0].ranks == tuple(range(world)) and not reports[0].in_sync
-    # structure digest, content digests, then one gather per differing dtype bucket (float32, int64, bf16)
-    assert [n for _, n in out] == [2 + 3] * world
-
-
-def test_in_sync_model_costs_two_small_collectives(ranks2):
-    out = ranks2.run(_report, [])
-    reports = [r for r, _ in out if r.in_sync is False]
-    assert len(reports) == 2  # only the bf16 NaN on rank 1 differs
-    (r0, n0), _ = out
-    assert [row.name for row in r0.out_of_sync] == ["bf16"] and n0 == 3
-
-
-def test_atol_accepts_small_differences(ranks2):
-    (report, _), _ = ranks2.run(_report, [1], 0.75)
-    rows = {row.name: row for row in report.rows}
-    assert rows["codebook"].in_sync and rows["codebook"].max_abs_diff == pytest.approx(0.5)
-    assert not rows["steps"].in_sync  # off by 1 > 0.75
-
-
-def _assert(rank, world):
-    model = scramble(Toy(), 0)
-    with torch.no_grad():
-        model.bn.running_var += rank  # incident 2: each rank's own statistics
-    try:
-        zb.assert_buffers_in_sync(model)
-    except zb.BuffersOutOfSyncError as e:
-        first = str(e)
-    else:
-        first = None
-    zb.broadcast_buffers(model)
-    return first, zb.assert_buffers_in_sync(model).in_sync
-
-
-def test_assert_raises_on_every_rank_and_names_the_buffers(ranks):
-    out = ranks.run(_assert)
-    messages = [m for m, _ in out]
-    assert all(m == messages[0] for m in messages) and messages[0] is not None
-    assert "1 of 12 buffers differ" in messages[0] and "bn.running_var" in messages[0]
-    assert "broadcast_buffers" in messages[0]
-    assert all(ok for _, ok in out)  # and passes once synchronised
+    assert all(row.untrained_ranks == () for row in rows.values())  # scrambled statistics are not initial ones
+    assert reports[0].ranks == tuple(range(world)) and not reports[0].in_sync and reports[0].training
+    # The differing path: the structure + content digest, then one 64-bit digest per buffer (12), then the
+    # reference rank broadcasts only the differing buffers, one dtype bucket at a time (float32 codebook, int64
+    # steps, bfloat16), then one all_gather of 3 floats per differing buffer + the train/eval flag.
+    want = [("all_gather", "torch.int64", 3), ("all_gather", "torch.int64", 12), ("broadcast", "torch.float32", 32),
+            ("broadcast", "torch.int64", 1), ("broadcast", "torch.bfloat16", 5), ("all_gather", "torch.float64", 10)]
+    assert [o["log"] for o in out] == [want] * world
 
 
 def _in_sync_report(rank, world):
     model = scramble(Toy(), 0)  # identical on every rank
-    report, gathers = _gathers_during(lambda: zb.buffer_report(model))
-    return report.in_sync, gathers
+    return [logged_call(lambda: zb.buffer_report(model)) for _ in range(2)]  # the second one hits the cache
 
 
-def test_agreeing_buffers_cost_one_collective(ranks):
-    # structure digest and a digest of all content digests travel together: the common case is one gather
-    assert ranks.run(_in_sync_report) == [(True, 1)] * ranks.world_size
+def test_in_sync_report_costs_one_all_gather_of_three_int64(ranks):
+    # structure digest, status and a digest of all contents travel together: agreeing ranks stop right there
+    for first, second in ranks.run(_in_sync_report):
+        for out in (first, second):
+            report = out["value"]
+            assert out["error"] is None and out["log"] == [("all_gather", "torch.int64", 3)], out["log"]
+            assert report.in_sync and report.checked and len(report.rows) == 12
+            assert all(row.in_sync and row.max_abs_diff == 0 and row.differing_ranks == () for row in report.rows)
+        assert first["value"] == second["value"]
+
+
+def _situation_model(rank: int, name: str) -> nn.Module:
+    model = scramble(Toy(), 0)  # the same everywhere, then each situation makes ranks differ
+    with torch.no_grad():
+        if name == "atol":
+            if rank == 1:
+                model.codebook[0, 0] += 0.5
+                model.steps += 1
+        elif name in ("trained per rank", "eval mode"):
+            model.bn.running_var += rank  # incident 2: each rank's own statistics
+        elif name == "untrained on rank 0":
+            if rank == 0:
+                model.bn.reset_running_stats()  # incident 1: only the other ranks loaded the checkpoint
+        elif name == "plain buffer":
+            model.codebook[1, 1] += rank
+    if name == "eval mode":
+        model.eval()
+    return model
+
+
+ADVICE = {  # situation -> (flagged buffers, the advice after "Fix: ")
+    "atol": (["steps"], r"Take one rank's values with zero_buffers.broadcast_buffers\(module\)"),
+    "trained per rank": (["bn.running_var"], r"BatchNorm statistics were updated on each rank's own data: merge them "
+                                             r"with zero_buffers.average_bn_stats\(module\) \(exact mixture\), or "
+                                             r"recompute them .*zero_buffers.recompute_bn_stats\(module, loader\)"),
+    "eval mode": (["bn.running_var"], r"The module is in eval mode \(frozen or loaded\) but its BatchNorm statistics "
+                                      r"differ: take one rank's with zero_buffers.broadcast_buffers\(module\)"),
+    "untrained on rank 0": (["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"],
+                            r"BatchNorm statistics on rank\(s\) \[0\] are still at their initial values \(mean 0, "
+                            r"var 1, count 0\).*zero_buffers.broadcast_buffers\(module, src=1\)"),
+    "plain buffer": (["codebook"], r"Take one rank's values with zero_buffers.broadcast_buffers\(module\) \(for "
+                                   r"statistics that each rank updates, merge them instead\)"),
+}
+
+
+def _situations(rank, world, names):
+    def case(name):
+        model = _situation_model(rank, name)
+        before = buffers(model)
+        atol = 0.75 if name == "atol" else 0.0
+        report = zb.buffer_report(model, atol=atol)
+        out = logged_call(lambda: zb.assert_buffers_in_sync(model, atol=atol))
+        out.update(report=report, unchanged=same_state(before, buffers(model)))
+        zb.broadcast_buffers(model)  # the simplest fix: afterwards the check passes
+        out["fixed"] = zb.assert_buffers_in_sync(model, atol=atol).in_sync
+        return out
+
+    return run_table(world, names, case)
+
+
+def _check_situation(name, res):
+    flagged, advice = ADVICE[name]
+    world = len(res)
+    errors = [r["error"] for r in res]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors  # the same error on every rank
+    message = errors[0][1]
+    assert errors[0][0] == "BuffersOutOfSyncError" and message.startswith("Toy: buffers out of sync across ranks.")
+    assert f"{len(flagged)} of 12 buffers differ across ranks {list(range(world))}" in message, message
+    assert all(f"\n{n} " in message for n in flagged), message  # one table line per flagged buffer
+    assert re.search(r"\nFix: " + advice, message), message
+    report = res[0]["report"]
+    assert all(r["report"] == report for r in res) and [row.name for row in report.out_of_sync] == flagged
+    rows = {row.name: row for row in report.rows}
+    if name == "atol":  # within atol of the reference: in sync, but its difference is still measured
+        assert rows["codebook"].in_sync and rows["codebook"].max_abs_diff == pytest.approx(0.5)
+        assert rows["steps"].max_abs_diff == 1 and rows["steps"].differing_ranks == (1,)
+    if name == "untrained on rank 0":
+        assert all(rows[n].untrained_ranks == (0,) and rows[n].differing_ranks == tuple(range(1, world))
+                   for n in flagged)
+    else:
+        assert all(row.untrained_ranks == () for row in report.rows)
+    if name in ("trained per rank", "eval mode"):
+        var = rows["bn.running_var"]
+        assert var.differing_ranks == tuple(range(1, world))
+        assert var.max_abs_diff == pytest.approx(world - 1, rel=1e-6)  # float32 sums
+        reference = float(scramble(Toy(), 0).bn.running_var.abs().max())
+        assert var.max_rel_diff == pytest.approx((world - 1) / reference, rel=1e-6)
+    assert report.training == (name != "eval mode")
+    assert all(r["unchanged"] and r["fixed"] for r in res)  # the check writes nothing; the fix makes it pass
+
+
+def test_assert_raises_on_every_rank_names_the_buffers_and_advises_by_situation(ranks):
+    names = list(ADVICE)
+    check_table(names, ranks.run(_situations, names), _check_situation)
 
 
 def _report_subgroup(rank, world, members):
@@ -136,7 +195,8 @@ def test_report_and_assert_on_a_process_group_subset(ranks4):
         assert report.checked and report.ranks == (1, 3) and report.reference_rank == 1
         rows = {row.name: row for row in report.rows}
         assert [row.name for row in report.out_of_sync] == ["codebook"]  # not 'steps': it differs outside only
-        assert rows["codebook"].differing_ranks == (3,) and rows["codebook"].max_abs_diff == pytest.approx(2.0, abs=1e-5)
+        assert rows["codebook"].differing_ranks == (3,)
+        assert rows["codebook"].max_abs_diff == pytest.approx(2.0, abs=1e-5)
         assert err is not None and "1 of 12 buffers differ across ranks [1, 3]" in err and "codebook" in err
         assert ok.in_sync and ok.checked and ok.ranks == (1, 3)
         assert unchanged and log  # members really communicated
@@ -144,25 +204,6 @@ def test_report_and_assert_on_a_process_group_subset(ranks4):
         report, err, ok, log, unchanged = out[r]
         assert not report.checked and report.in_sync and report.ranks == (r,) and err is None and not ok.checked
         assert log == [] and unchanged
-
-
-def _single_rank_group_assert(rank, world):
-    import torch.distributed as dist
-
-    groups = [dist.new_group([r]) for r in range(world)]
-    model = scramble(Toy(), rank)  # every buffer differs across ranks
-    before = buffers(model)
-    log: list = []
-    real = log_collectives(log)
-    try:
-        report = zb.assert_buffers_in_sync(model, group=groups[rank])  # a group of one: nothing to compare
-    finally:
-        restore_collectives(real)
-    return report.checked, report.in_sync, report.ranks, log, same_state(before, buffers(model))
-
-
-def test_assert_on_a_single_rank_group_is_a_no_op(ranks):
-    assert ranks.run(_single_rank_group_assert) == [(False, True, (r,), [], True) for r in range(ranks.world_size)]
 
 
 def _layouts(rank, world, differ):
@@ -188,8 +229,12 @@ def _layouts(rank, world, differ):
     return [(r.name, r.in_sync) for r in report.rows]
 
 
-@pytest.mark.parametrize("differ", [False, True])
-def test_digests_depend_on_values_not_layout(ranks, differ):
-    out = ranks.run(_layouts, differ, timeout=60)
-    want = [("spectrum", True), ("neg", True), ("weights", True), ("window", not differ)]
-    assert out == [want] * ranks.world_size
+def _layout_pair(rank, world):
+    return _layouts(rank, world, False), _layouts(rank, world, True)
+
+
+def test_digests_depend_on_values_not_layout(ranks):
+    out = ranks.run(_layout_pair, timeout=60)
+    for differ, want_window in ((0, True), (1, False)):  # equal values in other layouts agree; one element differs
+        want = [("spectrum", True), ("neg", True), ("weights", True), ("window", want_window)]
+        assert [o[differ] for o in out] == [want] * ranks.world_size, differ

@@ -178,7 +178,7 @@ def broadcast(g: Group, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucke
         nonlocal failure
         try:
             works.append(dist.broadcast(wire_view(flat), src=root, group=g.pg, async_op=True))
-        except Exception as e:  # noqa: BLE001 - raised after the other buckets went out
+        except BaseException as e:  # noqa: BLE001 - raised after the other buckets went out
             failure = failure or e
 
     if g.me != src:
@@ -200,7 +200,7 @@ def broadcast(g: Group, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucke
                 offsets[b.device] = start + _aligned(b.nbytes)
                 try:
                     torch_compat.pack_into(flat, ts)
-                except Exception as e:  # noqa: BLE001 - the bucket still goes out; the vote aborts
+                except BaseException as e:  # noqa: BLE001 - the bucket still goes out; the vote aborts
                     failure = failure or e
             issue(flat)
     wait(works, deadline, what)

@@ -73,16 +73,35 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
             torch.save(model.state_dict(), "ckpt.pt")          # statistics of all ranks' data
     """
     _args.module(model, _FN)
-    if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)
-                                    or num_batches < 0):
-        raise InvalidArgumentError(f"{_FN}(): num_batches must be None or an int >= 0, got {num_batches!r}")
-    if forward is not None and not callable(forward):
-        raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
+    check_options(num_batches, forward)
     deadline = _wire.Deadline(_args.timeout(timeout, _FN))
     g = _group.resolve(group, _FN)
     if g is None and _group.initialized() and group is not None:
         return 0  # not a member of the group
     inner = _modules.unwrap(model, _FN)
+    result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
+                             forward=forward)
+    return 0 if result is None else write(*result)
+
+
+def check_options(num_batches: Any, forward: Any) -> None:
+    """InvalidArgumentError for a bad ``num_batches`` or ``forward`` (at the call)."""
+    if num_batches is not None and (isinstance(num_batches, bool) or not isinstance(num_batches, int)
+                                    or num_batches < 0):
+        raise InvalidArgumentError(f"{_FN}(): num_batches must be None or an int >= 0, got {num_batches!r}")
+    if forward is not None and not callable(forward):
+        raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
+
+
+Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
+"""The layers, their all-reduced [calls, n, s1, s2] per layer, and the world size: what :func:`write` needs."""
+
+
+def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadline: _wire.Deadline, *,
+                    num_batches: int | None = None, progress: bool = True, device: torch.device | str | None = None,
+                    forward: Callable[[nn.Module, Any], Any] | None = None) -> Sums | None:
+    """The passes and the all-reduce, with every buffer as it was afterwards (nothing is written); None when the model
+    has no tracking BatchNorm. Raises RecomputeError on every rank when a rank failed or no rank had a batch."""
     bns = _modules.tracking_bn(inner)
     entries = _modules.bn_stat_entries(bns)
     zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
@@ -97,7 +116,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         if problem is not None:
             raise problem
     if not bns:
-        return 0
+        return None
     world = g.size if g is not None else 1
 
     saved_stats = [(t, t.detach().clone()) for _, t in entries]
@@ -127,12 +146,9 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         if int(totals[world]) == 0:
             raise RecomputeError(f"{_FN}(): no rank had a batch (data was empty or exhausted); nothing to recompute, "
                                  "no buffer was modified")
-        _restore(saved_stats)  # the layers' own train-mode updates during the passes are discarded
-        return _write(bns, totals[world + 1:], world)
-    except BaseException:
-        _restore(saved_stats)
-        raise
+        return bns, totals[world + 1:], world
     finally:
+        _restore(saved_stats)  # the layers' own train-mode updates during the passes are discarded
         acc.clear()
 
 
@@ -320,7 +336,7 @@ class _Runner:
                 bar.update(1)
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
+def write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
     """Write population statistics (identical on every rank: computed from the same all-reduced sums)."""
     written, offset = 0, 0
     with torch.no_grad():

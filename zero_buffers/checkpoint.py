@@ -9,12 +9,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _args, _modules
+from . import _args, _group, _modules, _structure, _transaction, _wire, bn_average, bn_recompute
 from ._compat import accelerate as acc_compat
 from ._compat import deepspeed as ds_compat
-from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats
-from .broadcast import broadcast_buffers
 from .errors import InvalidArgumentError
 from .report import assert_buffers_in_sync
 
@@ -31,14 +29,18 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
                  forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
     """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
 
-    - ``"broadcast"``: every buffer takes global rank ``src``'s value (:func:`broadcast_buffers`).
-    - ``"average"``: BatchNorm statistics become the exact merge of all ranks' (:func:`average_bn_stats`),
-      then every buffer is broadcast from ``src`` (what DDP does before each forward) so everything else
-      matches too.
+    - ``"broadcast"``: every buffer takes rank ``src``'s value (:func:`broadcast_buffers`).
+    - ``"average"``: BatchNorm statistics become the exact merge of all ranks' (:func:`average_bn_stats`)
+      and every other buffer takes ``src``'s value (what DDP does before each forward).
     - ``"recompute"``: BatchNorm statistics are recomputed over every rank's ``data``
-      (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``), then every
-      buffer is broadcast from ``src``. ``data`` is iterated once; a call in which no rank had a batch
+      (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``) and every
+      other buffer takes ``src``'s value. ``data`` is iterated once; a call in which no rank had a batch
       raises :class:`RecomputeError` and changes nothing.
+
+    One transaction for the whole model: the structure of every buffer is agreed before anything is
+    written (a mismatch in any buffer raises before the statistics are touched), and the merged or
+    recomputed statistics and the broadcast buffers are written together, after every rank confirmed it
+    received them, or not at all.
     - ``"check"``: nothing changes; :class:`BuffersOutOfSyncError` is raised on every rank if any buffer
       differs (use it to refuse to write a checkpoint that would carry one rank's values).
 
@@ -52,20 +54,64 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
         if dist.get_rank() == 0:
             torch.save(model.module.state_dict(), "ckpt.pt")
     """
-    _check_policy(policy, data, "sync_buffers")
-    _args.module(model, "sync_buffers")
-    _args.rank(src, "src", "sync_buffers")
-    _args.timeout(timeout, "sync_buffers")
-    inner = _modules.unwrap(model, "sync_buffers")
+    fn = "sync_buffers"
+    _check_policy(policy, data, fn)
+    _args.module(model, fn)
+    src = _args.rank(src, "src", fn)
+    seconds = _args.timeout(timeout, fn)
+    bn_recompute.check_options(num_batches, forward)
+    g = _group.resolve(group, fn)
+    _group.check_src(g, src, fn)  # before any collective, whatever the policy
+    inner = _modules.unwrap(model, fn)
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0
-    if policy == "average":
-        average_bn_stats(inner, group=group, timeout=timeout)
-    elif policy == "recompute":
-        recompute_bn_stats(inner, data, num_batches=num_batches, group=group, progress=progress, timeout=timeout,
-                           device=device, forward=forward)
-    return broadcast_buffers(inner, src, group=group, timeout=timeout)
+    deadline = _wire.Deadline(seconds)
+    if g is None:
+        if policy == "recompute" and not (_group.initialized() and group is not None):
+            recompute_bn_stats(inner, data, num_batches=num_batches, progress=progress, device=device,
+                               forward=forward)
+        return 0
+    sums = None
+    if policy == "recompute":  # the passes and their all-reduce; nothing is written before the commit below
+        _structure.agree(g, (fn, policy, src, "before the passes"), _modules.named_buffers(inner), deadline, fn)
+        sums = bn_recompute.population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress,
+                                            device=device, forward=forward)
+    return _commit(g, inner, policy, src, sums, deadline, fn)
+
+
+def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_recompute.Sums | None,
+            deadline: _wire.Deadline, fn: str) -> int:
+    """One transaction for every buffer: BatchNorm statistics merged (``"average"``: their all-reduce is part of the
+    exchange) or recomputed (``sums``), every other buffer broadcast from ``src``; all written, or none."""
+    entries = _modules.named_buffers(inner)
+    bns = _modules.tracking_bn(inner) if policy != "broadcast" else []
+    stats = {id(t) for bn in bns for _, t in bn.entries()}
+    others = [t for _, t in entries if id(t) not in stats]
+    buckets = _wire.plan(others)
+    source = g.me == src
+
+    def prepare() -> Any:
+        space = _wire.send_space(others, buckets) if source else _wire.receive_space(buckets)
+        return space, bn_average._pack(bns, g.device) if policy == "average" else None
+
+    def exchange(prepared: Any) -> None:
+        space, pack = prepared
+        if pack is not None:
+            _wire.all_reduce(g, pack, deadline, fn)
+        _wire.broadcast(g, others, buckets, src, space, deadline, fn)
+
+    def apply(prepared: Any) -> None:
+        space, pack = prepared
+        if pack is not None:
+            bn_average._write(bns, pack)
+        elif sums is not None:
+            bn_recompute.write(*sums)
+        if not source:
+            _wire.write(others, buckets, space)
+
+    _transaction.commit(g, (fn, policy, src), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply)
+    return len(entries)
 
 
 def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False) -> None:

@@ -187,9 +187,12 @@ def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
       ``if rank == 0: module.load_state_dict(...)`` pattern, transformers 4.x loading, DeepSpeed's own
       ``load_checkpoint`` and 16-bit export) behaves like :class:`GatheredParametersAndBuffers`: the
       buffers of the modules that own the gathered parameters (learned when zero.Init converted them)
-      are broadcast from ``r`` together with the parameters, all or nothing. A call with no ZeRO
-      parameter stays a no-op (as in DeepSpeed) and warns once, since zero_buffers cannot tell which
-      buffers its body changes;
+      (and of their ancestors, and those modules' parameter-free submodules) are broadcast from ``r``
+      together with the parameters, all or nothing, when the body changed them on ``r``. A call with no
+      ZeRO parameter stays a no-op (as in DeepSpeed): given tensors none of which ZeRO manages it warns
+      once, since zero_buffers cannot tell which buffers its body changes; an empty list (DeepSpeed's own
+      16-bit export passes many) is silent. For a module without parameters use
+      :class:`GatheredParametersAndBuffers` (module, ...) or :func:`broadcast_buffers`;
     * ``PreTrainedModel.from_pretrained`` under ZeRO-3 broadcasts every buffer of the loaded model from
       ``src`` before returning (transformers 4.x loads checkpoint buffers on rank 0 only; 5.x misses
       non-persistent ones and those computed at init).
@@ -245,8 +248,9 @@ def _remember_owner(module: nn.Module) -> None:
 
 
 def _related(zero: list[torch.Tensor]) -> list[tuple[str, nn.Module]]:
-    """The modules owning ``zero`` and their ancestors (a model's own buffers, a codebook beside the layers), each
-    with a tag that is the same on every rank: the owner's smallest ds_id, and how many levels up."""
+    """The modules owning ``zero``, their ancestors (a model's own buffers, a codebook beside the layers) and the
+    parameter-free submodules of those, each with a tag that is the same on every rank (an owner's ds_id, levels up,
+    the path below)."""
     out: dict[int, tuple[str, nn.Module]] = {}
     for p in zero:
         owner = _owners.get(ds_compat.ds_id(p))
@@ -255,6 +259,11 @@ def _related(zero: list[torch.Tensor]) -> list[tuple[str, nn.Module]]:
             out[id(owner)] = (f"<ds_id={ds_compat.ds_id(p)}, up {level}>", owner)
             ref = _parents.get(owner)
             owner, level = (ref() if ref is not None else None), level + 1
+    for tag, module in list(out.values()):  # their parameter-free children: a BatchNorm(affine=False) beside them
+        for name, child in module.named_children():
+            if id(child) not in out and next(child.parameters(), None) is None:
+                for sub_name, sub in child.named_modules(prefix=name):
+                    out.setdefault(id(sub), (f"{tag}/{sub_name}", sub))
     return list(out.values())
 
 
