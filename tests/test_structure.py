@@ -53,7 +53,7 @@ RANK_CASES = {
     "GatheredParametersAndBuffers modifier_rank=1": (lambda m, g: _gathered(m, 1, g, 2.0), 1),
     "GatheredParametersAndBuffers modifier_rank=0": (lambda m, g: _gathered(m, 0, g, 2.0), 0),
     "broadcast_buffers src=2": (lambda m, g: zb.broadcast_buffers(m, src=2, group=g), "broadcast_buffers(): src=2"),
-    "sync_buffers src=2": (lambda m, g: zb.sync_buffers(m, "broadcast", src=2, group=g), "broadcast_buffers(): src=2"),
+    "sync_buffers src=2": (lambda m, g: zb.sync_buffers(m, "broadcast", src=2, group=g), "sync_buffers(): src=2"),
     "frozen_replica src=3": (lambda m, g: zb.frozen_replica(m, src=3, group=g), "frozen_replica(): src=3"),
     "GatheredParametersAndBuffers modifier_rank=3": (lambda m, g: _gathered(m, 3, g, 2.0),
                                                      "GatheredParametersAndBuffers(): modifier_rank=3"),
