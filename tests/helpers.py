@@ -290,7 +290,7 @@ def package_major(name: str) -> int:
         return 0
 
 
-# GatheredParameters marks the parameters it holds and refuses overlapping nested contexts (DeepSpeed 0.17+); before
+# GatheredParameters marks the parameters it holds and refuses overlapping nested contexts (DeepSpeed 0.19.4+); before
 # that an inner context on held parameters re-partitions them under the outer one, and zero_buffers cannot tell.
 DS_NESTING_CHECK = deepspeed_source_has("DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR")
 # ... and with enable_sanity_checks, modifier_rank=None raises on an in-place write on any rank.
