@@ -546,7 +546,8 @@ def _finite(t: torch.Tensor) -> bool | str:
 
 
 @contextlib.contextmanager
-def _eval_no_grad(model: nn.Module):
+def eval_no_grad(model: nn.Module):
+    """The model in eval mode under no_grad inside; every module's mode restored on exit."""
     was = {m: m.training for m in model.modules()}
     model.eval()
     try:
@@ -621,12 +622,12 @@ def api_checks(model: nn.Module, tmpdir: str | os.PathLike, arch: Arch | None = 
         ex = example if example is not None else cast_example(arch.example(2, 0), _model_dtype(model))
 
         def fwd():
-            with _eval_no_grad(model):
+            with eval_no_grad(model):
                 return _finite(arch.forward(model, ex))
         _check(results, "forward", fwd)
         if arch.codec is not None:
             def codec():
-                with _eval_no_grad(model):
+                with eval_no_grad(model):
                     out = arch.codec(model, ex)
                 ref = ex["pixel_values"] if isinstance(ex, dict) else ex
                 if out.shape != ref.shape:

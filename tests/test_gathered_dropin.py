@@ -306,7 +306,7 @@ def test_nested_contexts(ranks2, overlap, inner_mr, who):
     _init_weights on rank 0 alone inside an outer context (Hubert's Conv1d, PatchTST), so the error must be local,
     with no collective the peer would not join."""
     if overlap and not DS_NESTING_CHECK:
-        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held parameters")
+        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held ones")
     out = run3(ranks2, _nested, overlap, inner_mr, who, timeout=60)
     assert_same_params(out)
     for kind, results in out.items():

@@ -88,23 +88,13 @@ def _stat_names(model: nn.Module) -> list[str]:
             if getattr(m, k, None) is not None]
 
 
-@contextlib.contextmanager
-def _eval_no_grad(model: nn.Module):
-    was = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for m, t in was.items():
-            m.training = t
 
 
 def _fwd(arch, model: nn.Module) -> str:
     """Digest of the eval-mode forward on the entry's example (cast to the model's dtype)."""
-    from tests.corpus import cast_example
+    from tests.corpus import cast_example, eval_no_grad
     dtype = next((t.dtype for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()), None)
-    with _eval_no_grad(model):
+    with eval_no_grad(model):
         return _digest(arch.forward(model, cast_example(arch.example(2, 0), dtype)))
 
 

@@ -238,3 +238,16 @@ def test_digests_depend_on_values_not_layout(ranks):
     for differ, want_window in ((0, True), (1, False)):  # equal values in other layouts agree; one element differs
         want = [("spectrum", True), ("neg", True), ("weights", True), ("window", want_window)]
         assert [o[differ] for o in out] == [want] * ranks.world_size, differ
+
+
+def test_the_table_lines_up_for_names_longer_than_forty_characters():
+    long = "encoder.layers.11.attention.self.rotary_embedding.inv_freq_table"  # 64 characters
+    rows = (zb.BufferRow(long, "float32", (64,), False, False, 0.5, (1, 3), 0.25),
+            zb.BufferRow("bn.running_var", "float32", (8,), True, True, 0.0, ()))
+    text = zb.BufferReport(rows, (0, 1, 2, 3), 0, 0.0).format()
+    header, *lines = text.splitlines()[1:]
+    starts = [header.index(title) for title in ("dtype", "shape", "in sync", "differing ranks")]
+    for line in lines:
+        cells = [line[s:].split()[0] for s in starts]
+        assert cells[0] == "float32" and cells[1].startswith("[") and cells[2] in ("yes", "NO"), (line, starts)
+    assert lines[0].startswith(long + "  ") and lines[0].endswith("1, 3") and lines[1].endswith("-")

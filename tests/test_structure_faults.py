@@ -202,6 +202,17 @@ def _check_error_within_one_collective(results, pattern: str, odd: int, digests:
             (rank, log)
 
 
+def _assert_only_the_error_path(results: list, digests: int) -> None:
+    """Nothing changed anywhere, and each rank's log is ``digests`` agreements, then the error path (the structures'
+    sizes, then their bytes): no data collective."""
+    for rank, r in enumerate(results):
+        assert r["unchanged"], f"rank {rank} changed"
+        log = r["log"]
+        assert log[:digests] == [DIGEST] * digests and log[digests:digests + 1] == [(ERROR_PATH,)], (rank, log)
+        assert [e[:2] for e in log[digests + 1:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], \
+            (rank, log)
+
+
 def _check_fault(name: str, results: list, odd: int) -> None:
     fn, kind = name.split("/")
     world = len(results)
@@ -313,12 +324,7 @@ def _check_call_fault(name: str, results: list) -> None:
     assert set(errors[0][3]) == set(range(world)), errors[0][3]
     if pattern == DIFFERENT_ARGUMENTS:
         assert errors[0][2] is None  # no buffer to blame: the calls differ
-    for rank, r in enumerate(results):
-        assert r["unchanged"], f"rank {rank} changed"
-        log = r["log"]
-        assert log[:digests] == [DIGEST] * digests and log[digests:digests + 1] == [(ERROR_PATH,)], (rank, log)
-        assert [e[:2] for e in log[digests + 1:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], \
-            (rank, log)
+    _assert_only_the_error_path(results, digests)
 
 
 def test_ranks_calling_with_different_arguments_raise_the_same_error(ranks):

@@ -67,7 +67,7 @@ def test_ours_nested_inside_deepspeeds_gather_of_the_same_parameters_raises_like
     with nothing changed and no hang (modifier_rank set: voted, SyncAbortedError everywhere; None: DeepSpeed's check).
     The outer context then exits normally."""
     if not DS_NESTING_CHECK:
-        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held parameters")
+        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held ones")
     out = ranks.run(_nested_same_parameters, inner, inner_mr, timeout=120)
     for error, ran, held, buffers_unchanged, params_unchanged, partitioned in out:
         assert error and "Nested GatheredParameters contexts cannot overlap parameters" in error[1], error

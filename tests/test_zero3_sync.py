@@ -296,7 +296,7 @@ def test_nested_overlap_raises_on_every_rank_before_the_body(ranks, outer_kind):
     """As DeepSpeed: an inner context on parameters an outer one holds raises on enter (voted, so every rank raises
     the same SyncAbortedError); its body never runs, nothing changes, the outer context exits normally."""
     if not DS_NESTING_CHECK:
-        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held parameters")
+        pytest.skip("DeepSpeed < 0.19.4 neither refuses overlapping nested GatheredParameters nor marks held ones")
     out = ranks.run(_nested_overlap, outer_kind, timeout=120)
     everyone = tuple(range(ranks.world_size))
     for error, ran, held, buffers_unchanged, params_unchanged, partitioned in out:
