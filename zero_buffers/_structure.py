@@ -64,31 +64,44 @@ def digest_bytes(data: bytes | memoryview) -> int:
     return int.from_bytes(hashlib.sha1(data, usedforsecurity=False).digest()[:8], "little", signed=True)
 
 
-_CACHE: dict[tuple, int] = {}  # structure key -> digest; describing every tensor is the slow part
+_CACHE: dict[tuple, list[Any]] = {}  # structure key -> [digest, bucket plan]; describing every tensor is the slow part
 
 
-def digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
-    """64-bit digest of ``call`` and the structure of ``entries`` (cached per structure)."""
-    key = (call, tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout)
-                       for n, t in entries))
+def _known(call: tuple, entries: Sequence[tuple[str, Any]]) -> list[Any]:
+    key = (_wire.BUCKET_BYTES, call, tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout)
+                                           for n, t in entries))
     found = _CACHE.get(key)
     if found is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
         described = [(s.name, s.text()) for s in specs(entries)]
-        found = _CACHE[key] = digest_bytes(repr((VERSION, _wire.BUCKET_BYTES, call, described)).encode())
+        found = _CACHE[key] = [digest_bytes(repr((VERSION, _wire.BUCKET_BYTES, call, described)).encode()), None]
     return found
 
 
+def digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
+    """64-bit digest of ``call`` and the structure of ``entries`` (cached per structure)."""
+    return int(_known(call, entries)[0])
+
+
+def digest_and_plan(call: tuple, entries: Sequence[tuple[str, Any]]) -> tuple[int, list[_wire.Bucket]]:
+    """:func:`digest`, and the bucket plan of the entries' tensors (it depends on the structure only: cached)."""
+    known = _known(call, entries)
+    if known[1] is None:
+        known[1] = _wire.plan([t for _, t in entries])
+    return int(known[0]), known[1]
+
+
 def agree(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], deadline: _wire.Deadline, what: str, *,
-          status: int = 0, extra: int = 0) -> list[tuple[int, int]]:
+          status: int = 0, extra: int = 0, known: int | None = None) -> list[tuple[int, int]]:
     """Raise the same BufferStructureError on every rank unless every rank passes equal ``call`` and structure.
 
     One all_gather of [digest, ``status``, ``extra``]; returns each member's (status, extra) in group order
     (callers vote with ``status``; buffer_report sends its content digest as ``extra``). Every caller sends
-    the same shape, so ranks that call different functions still meet here and get a clean error.
+    the same shape, so ranks that call different functions still meet here and get a clean error. ``known``: the
+    digest, when the caller has it already.
     """
-    mine = digest(call, entries)
+    mine = digest(call, entries) if known is None else known
     votes = _wire.all_gather_values(g, [mine, status, extra], deadline, what)
     if all(v[0] == mine for v in votes):
         return [(v[1], v[2]) for v in votes]

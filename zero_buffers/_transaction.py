@@ -88,7 +88,7 @@ def abort_if_any(g: Group, statuses: Sequence[int], failure: Failure, deadline: 
 def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Deadline, what: str, *,
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
            failure: Failure = None, unchanged: str = "nothing was changed",
-           step: str = "a rank could not take part") -> None:
+           step: str = "a rank could not take part", digest: int | None = None) -> None:
     """Run steps 1-5 (module docstring) over ``entries``: ``prepare()`` allocates, ``exchange(space)`` issues
     the collectives, ``apply(space)`` writes. ``failure`` aborts on every rank after the structure check, with
     ``step`` saying what failed."""
@@ -99,7 +99,7 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
             space = prepare()
         except BaseException as e:  # noqa: BLE001 - a vote; re-raised on every rank below
             failure = e
-    votes = _structure.agree(g, call, entries, deadline, what, status=int(failure is not None))
+    votes = _structure.agree(g, call, entries, deadline, what, status=int(failure is not None), known=digest)
     if problem is not None:
         raise problem
     abort_if_any(g, [s for s, _ in votes], failure, deadline, what, step, unchanged)
@@ -119,7 +119,8 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
               step: str = "a rank could not take part") -> int:
     """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many."""
     tensors = [t for _, t in entries]
-    buckets = _wire.plan(tensors)
+    call = ("broadcast", src, *call)
+    digest, buckets = _structure.digest_and_plan(call, entries)
     source = g.me == src
 
     def prepare() -> Any:
@@ -132,6 +133,6 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
         if not source:
             _wire.write(tensors, buckets, space)
 
-    commit(g, ("broadcast", src, *call), entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply,
-           failure=failure, unchanged=unchanged, step=step)
+    commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
+           unchanged=unchanged, step=step, digest=digest)
     return len(entries)

@@ -42,16 +42,13 @@ FSDP_CLASSES = frozenset({"FullyShardedDataParallel", "FSDPModule"})
 def pack_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
     """Copy ``ts`` into consecutive slices of the preallocated ``flat`` (:func:`flatten` without allocating)."""
     with torch.no_grad():
-        offset = 0
-        views = []
-        for t in ts:
-            views.append(flat[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
         if any(t.is_complex() for t in ts):
-            for v, t in zip(views, ts):
-                v.copy_(t)
+            offset = 0
+            for t in ts:
+                flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+                offset += t.numel()
             return
-        _foreach_copy(views, [t.detach() for t in ts])
+        _foreach_copy(list(_unflatten_dense_tensors(flat, list(ts))), [t.detach() for t in ts])
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:
