@@ -465,3 +465,15 @@ def test_error_classes_derive_from_the_root():
                 zb.SyncAbortedError, zb.RecomputeError, zb.DistributedSetupError, zb.UnsupportedDeviceError):
         assert issubclass(cls, zb.ZeroBuffersError), cls
     assert issubclass(zb.RecomputeError, zb.SyncAbortedError) and issubclass(zb.InvalidSourceRankError, ValueError)
+
+
+def test_a_missing_private_api_names_the_package_its_version_and_what_is_missing():
+    from zero_buffers._compat import missing
+
+    err = missing("torch", "torch._utils._flatten_dense_tensors", "renamed")
+    assert isinstance(err, zb.DependencyError) and isinstance(err, zb.ZeroBuffersError)
+    assert err.package == "torch" and err.version == torch.__version__
+    assert str(err) == (f"zero_buffers needs torch._utils._flatten_dense_tensors from torch {torch.__version__}: "
+                        "renamed")
+    absent = missing("no-such-package-zb", "its API")
+    assert absent.version is None and "no-such-package-zb (not installed)" in str(absent)

@@ -703,3 +703,16 @@ def _from_frozen_class(rank, world, tmp):
 
 def test_the_replicas_class_builds_a_normal_model(ranks2, tmp_path):
     _assert_all(ranks2.run(_from_frozen_class, str(tmp_path), timeout=60))
+
+
+def test_a_cast_asked_of_the_replica_itself_is_honoured_a_parents_is_not():
+    replica = zb.frozen_replica(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    parent = nn.Sequential(replica, nn.Linear(2, 2))
+    parent.bfloat16()
+    assert parent[1].weight.dtype == torch.bfloat16
+    assert {t.dtype for t in replica.buffers() if t.is_floating_point()} == {torch.float32}  # the parent's: ignored
+    replica.half()
+    assert {t.dtype for t in replica.buffers() if t.is_floating_point()} == {torch.float16}  # its own: done
+    replica.to(torch.float64)
+    assert {t.dtype for t in replica.buffers() if t.is_floating_point()} == {torch.float64}
+    assert replica[1].num_batches_tracked.dtype == torch.int64

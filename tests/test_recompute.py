@@ -316,3 +316,29 @@ def test_single_process_tensor_tuple_and_generator_batches():
     torch.testing.assert_close(model[0].running_mean.double(), xs[0].double().mean((0, 2, 3)), rtol=1e-6, atol=1e-6)
     with pytest.raises(zb.InvalidArgumentError, match="num_batches"):
         zb.recompute_bn_stats(model, xs, num_batches=-1)
+
+
+def test_single_process_details_device_lazy_layers_and_layers_no_batch_reached():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3))
+    x = torch.randn(8, 3, dtype=torch.float64)
+    assert zb.recompute_bn_stats(model.double(), [x.float()], device="cpu", progress=False,
+                                 forward=lambda m, b: m(b.double())) == 1  # device= moves, forward= feeds
+    torch.testing.assert_close(model[0].running_mean, x.mean(0))
+    lazy = nn.Sequential(nn.LazyBatchNorm1d())
+    with pytest.raises(zb.InvalidArgumentError, match=r"lazy BatchNorm '0\.running_mean' is not initialised"):
+        zb.recompute_bn_stats(lazy, [torch.randn(4, 3)], progress=False)
+
+    class Branch(nn.Module):  # the second BatchNorm is never reached by this data
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    branch = Branch()
+    with torch.no_grad():
+        branch.unused.running_mean.fill_(5.0)
+    assert zb.recompute_bn_stats(branch, [torch.randn(6, 2)], progress=False) == 1
+    assert torch.equal(branch.unused.running_mean, torch.full((2,), 5.0))  # kept, not zeroed

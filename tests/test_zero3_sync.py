@@ -694,3 +694,59 @@ def test_install_documented_rank0_load_reaches_every_rank(ranks2, use_install, h
         # when rank 0's body changed any of them: VQ's codebook sits on the root, an ancestor of proj and bn. In the
         # per-module walk the root's own context is empty (a no-op) and the codebook rides along with bn's load
         assert torch.equal(bufs["codebook"], sd["codebook"]) == (use_install or rank == 0), rank
+
+
+def _zero3_details(rank, world):
+    """install()'s warning for a gather over tensors ZeRO does not manage; a body that swaps a gathered ZeRO
+    parameter's data for another shape is refused on every rank; include_parameters leaves ZeRO parameters alone."""
+    import warnings
+
+    from zero_buffers import zero_init
+
+    deepspeed = init_deepspeed()
+    out = {}
+    zero_init._warned.clear()
+    with zb.install(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = torch.zeros(3)
+        for _ in range(2):  # warns once, and is DeepSpeed's no-op (no collective: a rank-0-only call cannot hang)
+            with deepspeed.zero.GatheredParameters([plain], modifier_rank=0):
+                pass
+        with deepspeed.zero.GatheredParameters([], modifier_rank=0):  # an empty list (DeepSpeed's own exports): silent
+            pass
+    out["warnings"] = [str(w.message) for w in caught if "zero_buffers.install()" in str(w.message)]
+
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        model = VQ()
+    zb.broadcast_buffers(model)
+    before = buffers(model)
+    for who in ("rank 0", "every rank"):  # not the parameter's shape: DeepSpeed could not re-partition it
+        try:
+            with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+                if rank == 0 or who == "every rank":
+                    model.proj.weight.data = torch.zeros(2, 2)
+            out[who] = None
+        except zb.ZeroBuffersError as e:
+            out[who] = (type(e).__name__, str(e))
+    out["unchanged"] = same_state(before, buffers(model)) and all(p.numel() == 0 for p in model.parameters())
+
+    torch.manual_seed(rank)
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        mixed.append(nn.Linear(2, 2))
+    out["synced"] = zb.broadcast_buffers(mixed, include_parameters=True)  # 3 BN buffers, 4 plain params, no ZeRO
+    out["plain"] = mixed[0].weight.detach().clone()
+    return out
+
+
+def test_zero3_details_warning_refused_shape_change_and_include_parameters(ranks2):
+    out = ranks2.run(_zero3_details, timeout=120)
+    for o in out:
+        assert len(o["warnings"]) == 1 and "got no ZeRO parameter" in o["warnings"][0], o["warnings"]
+        one, every = o["rank 0"], o["every rank"]  # the shapes differ across ranks: the structure check says so
+        assert one is not None and one[0] == "BufferStructureError" and "<ZeRO ds_id=" in one[1], one
+        assert every is not None and every[0] == "SyncAbortedError", every  # equal shapes: the refusal says why
+        assert "ZeRO parameter ds_id=" in every[1] and "cannot re-partition" in every[1], every
+        assert o["unchanged"]
+        assert o["synced"] == 7  # the ZeRO Linear (2 parameters) is left to DeepSpeed
+        assert torch.equal(o["plain"], out[0]["plain"])
