@@ -580,6 +580,8 @@ def markdown(all_results: list[dict], meta: dict) -> str:
                     v = r.get(k, "")
                     if isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
                         cells.append(f"{v:.2f}x")
+                    elif isinstance(v, float) and "MB" in k:
+                        cells.append(f"{v:.0f} MiB")
                     elif isinstance(v, float) and "per_s" in k:
                         cells.append(f"{v:,.0f}")
                     elif isinstance(v, float):

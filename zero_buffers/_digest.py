@@ -77,12 +77,12 @@ def _feed_host(h: Any, t: torch.Tensor) -> None:
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(indices, tensor whose bytes stand for them), in an order that depends on the structure only: per
-    (device, dtype) bucket, each large host tensor on its own, then the rest packed together."""
+    (device, dtype) bucket, each large tensor on its own, then the rest packed together."""
     for b in _wire.plan(tensors, cap=1 << 62):
         packed = []
         for i in b.indices:
             t = tensors[i]
-            if t.device.type == "cpu" and t.numel() * t.element_size() >= _IN_PLACE_BYTES:
+            if t.numel() * t.element_size() >= _IN_PLACE_BYTES:
                 yield [i], t
             else:
                 packed.append(i)
@@ -98,20 +98,32 @@ def _feed(h: Any, t: torch.Tensor) -> None:
         h.update(fingerprint(t).to_bytes(8, "little", signed=True))
 
 
-def combined(tensors: Sequence[torch.Tensor]) -> int:
-    """One 64-bit digest over all ``tensors`` (empty ones contribute nothing, their shape is in the structure)."""
+def _one(t: torch.Tensor) -> int:
+    """The 64-bit digest of one tensor (0 when empty)."""
+    if not t.numel():
+        return 0
     h = hashlib.sha1(usedforsecurity=False)
-    for _, t in _chunks(tensors):
-        _feed(h, t)
+    _feed(h, t)
     return int.from_bytes(h.digest()[:8], "little", signed=True)
 
 
-def per_tensor(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """One 64-bit digest per tensor (0 for an empty one)."""
-    out = [0] * len(tensors)
-    for i, t in enumerate(tensors):
-        if t.numel():
-            h = hashlib.sha1(usedforsecurity=False)
+def combined(tensors: Sequence[torch.Tensor], known: dict[int, int] | None = None) -> int:
+    """One 64-bit digest over all ``tensors`` (empty ones contribute nothing, their shape is in the structure).
+    A large tensor enters through its own digest, which goes into ``known`` (index -> digest) for
+    :func:`per_tensor`, so a report that finds differences does not hash it twice."""
+    h = hashlib.sha1(usedforsecurity=False)
+    for idx, t in _chunks(tensors):
+        if len(idx) == 1 and t is tensors[idx[0]]:
+            d = _one(t)
+            if known is not None:
+                known[idx[0]] = d
+            h.update(d.to_bytes(8, "little", signed=True))
+        else:
             _feed(h, t)
-            out[i] = int.from_bytes(h.digest()[:8], "little", signed=True)
-    return out
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
+
+
+def per_tensor(tensors: Sequence[torch.Tensor], known: dict[int, int] | None = None) -> list[int]:
+    """One 64-bit digest per tensor (0 for an empty one); ``known`` ones are not hashed again."""
+    known = known or {}
+    return [known[i] if i in known else _one(t) for i, t in enumerate(tensors)]

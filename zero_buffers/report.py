@@ -126,7 +126,8 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     tensors = [t for _, t in entries]
     call = (fn, atol, include_parameters)
     problem = _transaction.unsendable(g, entries, fn)  # such tensors cannot be hashed either
-    votes = _structure.agree(g, call, entries, deadline, fn, extra=0 if problem else _digest.combined(tensors))
+    known: dict[int, int] = {}  # digests of the large buffers, hashed once for both uses
+    votes = _structure.agree(g, call, entries, deadline, fn, extra=0 if problem else _digest.combined(tensors, known))
     if problem is not None:
         raise problem  # structure agreed (it includes device, layout, dtype): every rank raises this
     if all(v[1] == votes[0][1] for v in votes):  # all agree: the rows depend on the structure alone
@@ -138,7 +139,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
             report = _IN_SYNC[key] = BufferReport(tuple(row(n, t) for n, t in entries), g.ranks, g.ranks[0], atol,
                                                   training=module.training)
         return report
-    digests = _wire.all_gather_values(g, _digest.per_tensor(tensors), deadline, fn)
+    digests = _wire.all_gather_values(g, _digest.per_tensor(tensors, known), deadline, fn)
     differ = [i for i in range(len(entries)) if any(d[i] != digests[0][i] for d in digests)]
     measured = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn)
     untrained = _untrained_flags(module, [entries[i][0] for i in differ])
@@ -184,7 +185,7 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
     return out
 
 
-_CHUNK = 1 << 16  # elements compared at a time: the float64 temporaries stay about 3 MiB whatever the buffer size
+_CHUNK = 1 << 17  # elements compared at a time: the float64 temporaries stay a few MiB whatever the buffer size
 
 
 def _as_wide(t: torch.Tensor) -> torch.Tensor:
@@ -198,9 +199,12 @@ def _max_abs_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
     for start in range(0, a_all.numel(), _CHUNK):
         a, b = _as_wide(a_all[start:start + _CHUNK]), _as_wide(b_all[start:start + _CHUNK])
         diff = (a - b).abs()
-        same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # inf - inf is NaN, but inf equals inf
-        diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
-        worst = max(worst, float(diff.max()))
+        top = float(diff.max()) if diff.numel() else 0.0
+        if math.isnan(top) or math.isinf(top):  # only then look at which non-finite values match
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # inf - inf is NaN, but inf equals inf
+            diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
+            top = float(diff.max())
+        worst = max(worst, top)
     return worst
 
 
@@ -210,8 +214,11 @@ def _max_abs(ref: torch.Tensor) -> float:
     flat = ref.reshape(-1)
     for start in range(0, flat.numel(), _CHUNK):
         wide = _as_wide(flat[start:start + _CHUNK]).abs()
-        wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
-        worst = max(worst, float(wide.max()))
+        top = float(wide.max()) if wide.numel() else 0.0
+        if not math.isfinite(top):
+            wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
+            top = float(wide.max())
+        worst = max(worst, top)
     return worst
 
 
