@@ -1,13 +1,15 @@
-"""The ``zero-buffers`` command: list and run the bundled repro scripts on N local ranks."""
+"""The ``zero-buffers`` command: the repro scripts (list, repro) and the checkpoint doctor (inspect, diff, repair)."""
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from . import _proc
 
@@ -86,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
     rp.add_argument("--timeout", type=float, default=900,
                     help="seconds per script, then it and all its ranks are killed (default 900)")
+    _doctor_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command in ("inspect", "diff", "repair"):
+        return doctor(args)
 
     folder = repro_dir()
     found = scripts(folder) if folder.is_dir() else {}
@@ -117,6 +122,76 @@ def main(argv: list[str] | None = None) -> int:
     for name, code, seconds in summary:
         print(f"{name:<32} {'ok' if code == 0 else f'FAILED (exit {code})':<18} {seconds:6.1f} s")
     return 0 if all(code == 0 for _, code, _ in summary) else 1
+
+
+def _doctor_parsers(sub: Any) -> None:
+    """The inspect / diff / repair subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--tag", help="DeepSpeed tag folder to read (default: the one 'latest' names)")
+    common.add_argument("--trust-pickle", action="store_true",
+                        help="unpickle Python objects in old or custom checkpoints (only for files you trust)")
+    common.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar on stderr (default: for 8 or more files on a terminal)")
+    ins = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds: kind, ranks, buffers, counters")
+    ins.add_argument("path")
+    ins.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    ins.add_argument("--all", action="store_true", help="also print the per-buffer table")
+    df = sub.add_parser("diff", parents=[common],
+                        help="per buffer, whether the ranks of a checkpoint (or several files) agree; exit 1 if not")
+    df.add_argument("paths", nargs="+", metavar="PATH")
+    df.add_argument("--atol", type=float, default=0.0, help="tolerance (default 0: bitwise identical)")
+    df.add_argument("--only", action="append", default=[], metavar="PATTERN",
+                    help="compare only buffers whose name matches this glob (repeatable)")
+    df.add_argument("--json", action="store_true", help="one JSON object, with one object per buffer")
+    df.add_argument("--all", action="store_true", help="every row, also for models with many buffers")
+    rp = sub.add_parser("repair", parents=[common], help="write a copy where every rank holds the same buffers")
+    rp.add_argument("path")
+    rp.add_argument("-o", "--out", help="new folder for the repaired copy (must not exist)")
+    rp.add_argument("--in-place", action="store_true", help="replace the input folder (atomically, with rollback)")
+    rp.add_argument("--policy", choices=["average", "broadcast"], default="average",
+                    help="average: exact mixture of BatchNorm statistics, other buffers from --src (default); "
+                         "broadcast: every buffer from --src")
+    rp.add_argument("--src", type=int, default=0, help="rank whose buffers are taken (default 0)")
+
+
+def doctor(args: argparse.Namespace) -> int:
+    """Run inspect / diff / repair: exit 0 when all agree (or the repair is written), 1 when buffers differ,
+    2 when a checkpoint cannot be read or repaired."""
+    from .checkpoint_doctor import checkpoint_report, repair_checkpoint
+    from .errors import ZeroBuffersError
+
+    common = {"tag": args.tag, "trust_pickle": args.trust_pickle, "progress": args.progress}
+    if args.trust_pickle:
+        print("zero-buffers: --trust-pickle: unpickling Python objects from these files can run arbitrary code",
+              file=sys.stderr)
+    try:
+        if args.command == "repair":
+            if (args.out is None) == (not args.in_place):
+                print("zero-buffers repair: give exactly one of -o OUT and --in-place", file=sys.stderr)
+                return 2
+            print(repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src, in_place=args.in_place,
+                                    **common).format())
+            return 0
+        paths = [args.path] if args.command == "inspect" else args.paths
+        kw = {"atol": args.atol, "only": args.only} if args.command == "diff" else {}
+        report = checkpoint_report(*paths, **kw, **common)
+    except ZeroBuffersError as e:
+        print(f"zero-buffers {args.command}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    elif args.command == "inspect":
+        print(report.format(full=args.all))
+    else:
+        print(report.heading())
+        if not report.per_rank and len(report.sources) > 1:
+            print("\n".join(f"  source {i}: {s}" for i, s in enumerate(report.sources)))
+        print(report.table(full=args.all))
+        for w in report.warnings:
+            print(f"WARNING: {w}")
+    if args.command == "diff" and not report.compared:
+        return 0
+    return 0 if args.command == "inspect" or report.in_sync else 1
 
 
 if __name__ == "__main__":

@@ -85,3 +85,15 @@ class DependencyError(ZeroBuffersError):
 
 class DeepSpeedUnavailableError(DependencyError):
     """A ZeRO-3 feature was asked for but DeepSpeed cannot be imported."""
+
+
+class CheckpointError(ZeroBuffersError):
+    """A checkpoint on disk cannot be read, compared or repaired as asked. ``path`` names the file or folder at fault.
+
+    Raised before anything is written, or after a failed write has been rolled back: the input is unchanged
+    and no partial output is left behind.
+    """
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _digest, _group, _modules, _structure, _transaction, _wire
+from . import _args, _compare, _digest, _group, _modules, _structure, _transaction, _wire
 from .errors import BuffersOutOfSyncError
 
 
@@ -53,13 +53,15 @@ class BufferReport:
     def __str__(self) -> str:
         return self.format()
 
-    def format(self, only_out_of_sync: bool = False, limit: int | None = None) -> str:
-        """A plain-text table (``limit`` rows at most); columns fit the longest name."""
+    def format(self, only_out_of_sync: bool = False, limit: int | None = None, head: str | None = None) -> str:
+        """A plain-text table (``limit`` rows at most) under ``head`` (default: the verdict across ranks); columns
+        fit the longest name."""
         rows = self.out_of_sync if only_out_of_sync else list(self.rows)
-        head = (f"{len(self.out_of_sync)} of {len(self.rows)} buffers differ across ranks {list(self.ranks)} "
-                f"(reference rank {self.reference_rank}, atol={self.atol:g})")
+        default = (f"{len(self.out_of_sync)} of {len(self.rows)} buffers differ across ranks {list(self.ranks)} "
+                   f"(reference rank {self.reference_rank}, atol={self.atol:g})")
         if not self.checked:
-            head = f"{len(self.rows)} buffers, not compared: no process group with more than one rank"
+            default = f"{len(self.rows)} buffers, not compared: no process group with more than one rank"
+        head = default if head is None else head
         shown = rows if limit is None else rows[:limit]
         cells = [(r.name, r.dtype, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
                   f"{r.max_rel_diff:.3g}", ", ".join(map(str, r.differing_ranks)) or "-") for r in shown]
@@ -180,46 +182,9 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
             n = mine.numel()
             ref = mine if g.me == 0 else space[0][offset:offset + n].view(mine.shape)
             offset += n
-            out[i] = (_max_abs_diff(mine, ref), _max_abs(ref))
+            out[i] = (_compare.max_abs_diff(mine, ref), _compare.max_abs(ref))
         del space
     return out
-
-
-_CHUNK = 1 << 17  # elements compared at a time: the float64 temporaries stay a few MiB whatever the buffer size
-
-
-def _as_wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.complex128 if t.is_complex() else torch.float64)
-
-
-def _max_abs_diff(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| in float64; equal values (NaN and NaN, inf and inf) count 0, NaN against a number inf."""
-    worst = 0.0
-    a_all, b_all = x.reshape(-1), ref.reshape(-1)
-    for start in range(0, a_all.numel(), _CHUNK):
-        a, b = _as_wide(a_all[start:start + _CHUNK]), _as_wide(b_all[start:start + _CHUNK])
-        diff = (a - b).abs()
-        top = float(diff.max()) if diff.numel() else 0.0
-        if math.isnan(top) or math.isinf(top):  # only then look at which non-finite values match
-            same = (a == b) | (torch.isnan(a) & torch.isnan(b))  # inf - inf is NaN, but inf equals inf
-            diff = torch.where(same, torch.zeros_like(diff), torch.nan_to_num(diff, nan=math.inf))
-            top = float(diff.max())
-        worst = max(worst, top)
-    return worst
-
-
-def _max_abs(ref: torch.Tensor) -> float:
-    """The largest finite magnitude in ``ref`` (0 when empty or all non-finite)."""
-    worst = 0.0
-    flat = ref.reshape(-1)
-    for start in range(0, flat.numel(), _CHUNK):
-        wide = _as_wide(flat[start:start + _CHUNK]).abs()
-        top = float(wide.max()) if wide.numel() else 0.0
-        if not math.isfinite(top):
-            wide = torch.where(torch.isfinite(wide), wide, torch.zeros_like(wide))
-            top = float(wide.max())
-        worst = max(worst, top)
-    return worst
 
 
 def _untrained_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:

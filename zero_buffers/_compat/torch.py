@@ -1,8 +1,11 @@
-"""Private torch APIs: the flat-tensor helpers of ``torch._utils`` and the fused ``torch._foreach_copy_``."""
+"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout."""
 from __future__ import annotations
 
 import ctypes
+import re
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -67,3 +70,52 @@ def to_bytes(t: torch.Tensor) -> bytes:
     """A copy of a tensor's bytes (moved to the host, made contiguous first)."""
     host = t.detach().cpu().contiguous()
     return bytes(host_bytes(host))
+
+
+# -- torch.distributed.checkpoint (DCP), read offline --------------------------------------------------------------
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # FileSystemWriter names each rank's file __{rank}_{n}.distcp
+
+
+def dcp_metadata(path: str) -> Any:
+    """The ``.metadata`` of a DCP folder (``FileSystemReader.read_metadata``)."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+    except ImportError as e:  # pragma: no cover - every torch zero_buffers supports has it
+        raise missing("torch", "torch.distributed.checkpoint.FileSystemReader", str(e)) from e
+    return FileSystemReader(path).read_metadata()
+
+
+def dcp_tensors(metadata: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every plain tensor entry of a DCP checkpoint: name -> (dtype, shape)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {name: (m.properties.dtype, tuple(m.size)) for name, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+def dcp_writers(metadata: Any) -> dict[str, set[int]]:
+    """Which ranks' files hold each entry (from ``storage_data``' relative paths); empty when it cannot tell."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return {}
+    out: dict[str, set[int]] = {}
+    for index, info in storage.items():
+        found = _DCP_FILE.search(str(getattr(info, "relative_path", "")))
+        fqn = getattr(index, "fqn", None)
+        if found is None or fqn is None:
+            return {}
+        out.setdefault(fqn, set()).add(int(found.group(1)))
+    return out
+
+
+def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Load ``entries`` of a DCP folder into fresh CPU tensors, in this process (``no_dist=True``)."""
+    import torch.distributed.checkpoint as dcp
+
+    out = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in entries.items()}
+    if out:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ... single process"
+            dcp.load(out, checkpoint_id=path, no_dist=True)
+    return out

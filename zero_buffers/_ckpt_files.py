@@ -1,0 +1,379 @@
+"""Private: what a checkpoint on disk is (its kind, its files, which are ranks), lazy readers and atomic writers.
+
+The kinds, as DeepSpeed 0.16-0.19, Accelerate 1.x and torch 2.13 write them:
+
+- DeepSpeed ZeRO-3 folder: ``<root>/latest`` names the tag; ``<root>/<tag>/zero_pp_rank_{r}_mp_rank_00_model_states.pt``
+  per data-parallel rank, whose ``module`` holds that rank's own buffers (parameters are empty placeholders) and
+  ``buffer_names`` lists them; ``*_optim_states.pt`` hold the weights and optimizer state (no buffers).
+- DeepSpeed ZeRO-1/2 folder: one ``mp_rank_00_model_states.pt``, written by rank 0 only.
+- Accelerate ``save_state`` folder: ``model.safetensors`` / ``pytorch_model.bin`` from the main process only.
+- torch DCP folder: ``.metadata`` and ``__{rank}_{n}.distcp``: one copy of each replicated entry, spread over ranks.
+- Per-rank files: tensor files whose names differ only by the rank number (``rank0.pt``, ``rank1.pt`` ...).
+- One state dict: a ``.pt`` / ``.bin`` / ``.pth`` / ``.safetensors`` file.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+TENSOR_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+_ZERO3_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_ZERO12_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+# what writers raise on a full disk or a size limit: OSError from Python, RuntimeError from torch's zip writer
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, ValueError)
+
+
+def write_errors() -> tuple[type[BaseException], ...]:
+    """WRITE_ERRORS and safetensors' own error type (what ``save_file`` raises on an I/O failure)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return WRITE_ERRORS
+    return (*WRITE_ERRORS, SafetensorError)
+
+
+def _safetensors() -> Any:
+    """The safetensors package, or DependencyError."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as e:
+        from ._compat import missing
+        raise missing("safetensors", "safetensors.safe_open to read .safetensors files",
+                      "pip install safetensors") from e
+    return safetensors
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """One state dict on disk. ``inner`` is the key holding it inside the file (``"module"`` for DeepSpeed)."""
+
+    path: Path
+    label: str
+    rank: int | None
+    format: str  # "torch" | "safetensors" | "dcp"
+    inner: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What ``path`` holds. ``per_rank``: each file is one rank's copy of the same state dict. ``unit`` is the folder a
+    repair rewrites (the tag folder of a DeepSpeed root); ``notes`` say what the kind does and does not keep."""
+
+    kind: str
+    path: Path
+    unit: Path
+    files: tuple[StateFile, ...]
+    per_rank: bool
+    tag: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class Tensors:
+    """A lazy view of one state dict: ``meta`` name -> (dtype, shape) without reading data; ``get`` reads one entry."""
+
+    meta: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    get: Callable[[str], torch.Tensor]
+    buffer_names: tuple[str, ...] | None  # DeepSpeed's list of buffers; None when every entry may be one
+
+
+# -- finding the kind ------------------------------------------------------------------------------------------------
+
+def locate(path: str | os.PathLike, tag: str | None = None) -> Layout:
+    """The layout of ``path``; raises CheckpointError naming the file when it is not a checkpoint we can read."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder", str(p))
+    if p.is_file():
+        return _single(p, p.parent, "state dict file")
+    if (p / ".metadata").is_file():
+        return _dcp(p)
+    latest = p / "latest"
+    if tag is not None or latest.is_file():
+        chosen = tag if tag is not None else latest.read_text().strip()
+        if not (p / chosen).is_dir():
+            where = f"--tag {tag!r}" if tag is not None else f"{latest} names tag {chosen!r}, but"
+            raise CheckpointError(f"{where} there is no folder {p / chosen}", str(p / chosen))
+        inner = _deepspeed(p / chosen, p)
+        return Layout(inner.kind, p, inner.unit, inner.files, inner.per_rank, chosen, inner.notes)
+    if any(_ZERO3_FILE.match(f.name) or _ZERO12_FILE.match(f.name) for f in p.iterdir()):
+        return _deepspeed(p, p)
+    if (p / "random_states_0.pkl").is_file() or (p / "optimizer.bin").is_file():
+        return _accelerate(p)
+    return _folder(p)
+
+
+def _single(file: Path, unit: Path, kind: str, notes: tuple[str, ...] = ()) -> Layout:
+    fmt = "safetensors" if file.suffix == ".safetensors" else "torch"
+    return Layout(kind, file, unit, (StateFile(file, file.name, None, fmt),), False, None, notes)
+
+
+def _deepspeed(folder: Path, path: Path) -> Layout:
+    """A DeepSpeed tag folder: ZeRO-3 (one model-states file per rank) or ZeRO-1/2 (rank 0's only)."""
+    zero3: dict[int, dict[int, Path]] = {}
+    for f in folder.iterdir():
+        m = _ZERO3_FILE.match(f.name)
+        if m:
+            zero3.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    if zero3:
+        if set(zero3) != {0}:
+            raise CheckpointError(f"{folder}: model-parallel ranks {sorted(zero3)} (mp_rank_01 and up) are not "
+                                  "supported; only data-parallel ZeRO-3 folders (mp_rank_00)", str(folder))
+        ranks = zero3[0]
+        expected = _dp_world_size(ranks[min(ranks)])
+        _check_ranks(folder, ranks, expected, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
+        files = tuple(StateFile(ranks[r], f"rank {r}", r, "torch", "module") for r in sorted(ranks))
+        return Layout("DeepSpeed ZeRO-3", path, folder, files, True, None,
+                      ("one model-states file per data-parallel rank, each with that rank's own buffers "
+                       "(zero_to_fp32 and the 16-bit export take rank 0's)",))
+    single = folder / "mp_rank_00_model_states.pt"
+    if not single.is_file():
+        raise CheckpointError(f"{folder}: a DeepSpeed folder without mp_rank_00_model_states.pt or "
+                              "zero_pp_rank_*_mp_rank_00_model_states.pt", str(folder))
+    stage = _zero_stage(single)
+    world = _dp_world_size(single)
+    others = f"the other {world - 1} rank(s)' buffers were never written" if world and world > 1 else \
+        "other ranks' buffers, if any, were never written"
+    return Layout(f"DeepSpeed ZeRO-{stage}" if stage in (0, 1, 2) else "DeepSpeed ZeRO-1/2", path, folder,
+                  (StateFile(single, single.name, 0, "torch", "module"),), False, None,
+                  (f"one model file, written by rank 0 alone: it holds rank 0's buffers; {others}, so there is "
+                   "nothing per rank to compare or merge (recompute the statistics after loading)",))
+
+
+def _dp_world_size(file: Path) -> int | None:
+    """``dp_world_size`` recorded in a DeepSpeed model-states file (None when absent)."""
+    value = _open_torch(file, trust_pickle=False).get("dp_world_size")
+    return value if isinstance(value, int) else None
+
+
+def _zero_stage(file: Path) -> int | None:
+    config = _open_torch(file, trust_pickle=False).get("ds_config")
+    if isinstance(config, Mapping):
+        stage = config.get("zero_optimization", {}).get("stage", 0)
+        return stage if isinstance(stage, int) else None
+    return None
+
+
+def _check_ranks(folder: Path, ranks: Mapping[int, Path], expected: int | None, template: str) -> None:
+    """Ranks 0..n-1 present, none missing, none past the recorded world size."""
+    n = expected if expected else max(ranks) + 1
+    missing = [r for r in range(n) if r not in ranks]
+    if missing:
+        names = ", ".join(template.format(r) for r in missing[:4])
+        raise CheckpointError(f"{folder}: rank file(s) missing for rank(s) {missing} of {n} ({names})",
+                              str(folder / template.format(missing[0])))
+    extra = sorted(r for r in ranks if r >= n)
+    if extra:
+        raise CheckpointError(f"{folder}: rank file(s) for rank(s) {extra}, but the checkpoint records a "
+                              f"data-parallel world of {n} ({ranks[extra[0]].name})", str(ranks[extra[0]]))
+
+
+def _dcp(folder: Path) -> Layout:
+    files = (StateFile(folder, folder.name, None, "dcp"),)
+    return Layout("torch DCP", folder, folder, files, False, None,
+                  ("one copy of each replicated entry, written by whichever rank the planner picked: the "
+                   "statistics of one BatchNorm layer can come from different ranks, and nothing per rank is kept",))
+
+
+def _accelerate(folder: Path) -> Layout:
+    models = sorted(f for f in folder.iterdir() if f.is_file() and re.match(
+        r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$", f.name))
+    if not models:
+        raise CheckpointError(f"{folder}: an Accelerate save_state folder without model.safetensors or "
+                              "pytorch_model.bin", str(folder))
+    files = tuple(StateFile(f, f.name, None, "safetensors" if f.suffix == ".safetensors" else "torch")
+                  for f in models)
+    return Layout("Accelerate save_state", folder, folder, files, False, None,
+                  ("the model was written by the main process only: it holds rank 0's buffers, the other ranks' "
+                   "were never written",))
+
+
+def _folder(folder: Path) -> Layout:
+    """Tensor files whose names differ only by a number: one per rank. One tensor file: a single state dict."""
+    tensors = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in TENSOR_SUFFIXES)
+    if not tensors:
+        raise CheckpointError(f"{folder}: no checkpoint here (no DeepSpeed, DCP or Accelerate folder, no "
+                              f"{'/'.join(TENSOR_SUFFIXES)} files)", str(folder))
+    groups: dict[str, dict[int, Path]] = {}
+    for f in tensors:
+        runs = list(re.finditer(r"\d+", f.name))
+        if runs:
+            last = runs[-1]
+            template = f.name[:last.start()] + "{}" + f.name[last.end():]
+            groups.setdefault(template, {})[int(last.group())] = f
+    ranked = {t: g for t, g in groups.items() if len(g) > 1}
+    if len(ranked) == 1:
+        template, ranks = next(iter(ranked.items()))
+        _check_ranks(folder, ranks, None, template)
+        fmt = "safetensors" if template.endswith(".safetensors") else "torch"
+        files = tuple(StateFile(ranks[r], f"rank {r}", r, fmt) for r in sorted(ranks))
+        return Layout("per-rank files", folder, folder, files, True, None,
+                      (f"{len(files)} files {template.format('{rank}')}, one per rank",))
+    if len(tensors) == 1:
+        return _single(tensors[0], folder, "state dict file")
+    raise CheckpointError(f"{folder}: cannot tell which files are ranks: {len(tensors)} tensor files "
+                          f"({', '.join(f.name for f in tensors[:5])}) are not one name with a rank number; "
+                          "name the files to compare instead", str(folder))
+
+
+# -- reading ---------------------------------------------------------------------------------------------------------
+
+def _open_torch(file: Path, trust_pickle: bool) -> Any:
+    """``torch.load`` lazily (mmap for zip archives), ``weights_only`` unless the caller trusts the file."""
+    zipped = zipfile.is_zipfile(file)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol 4 ..." on legacy pickles
+            return torch.load(file, map_location="cpu", weights_only=not trust_pickle, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        if "Weights only load failed" in str(e):
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+            what = f"the Python object {found.group(1)}" if found else "Python objects (or an old-format pickle)"
+            raise CheckpointError(f"{file}: holds {what}, which weights_only=True refuses to unpickle. Only if you "
+                                  "trust this file: --trust-pickle (trust_pickle=True)", str(file)) from e
+        raise CheckpointError(f"{file}: not a torch checkpoint ({_first_line(str(e))})", str(file)) from e
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        with open(file, "rb") as f:
+            looks_zipped = f.read(4) == b"PK\x03\x04"
+        state = ("a truncated or corrupt torch checkpoint" if looks_zipped else
+                 "not a torch checkpoint (neither a zip archive nor a pickle)")
+        raise CheckpointError(f"{file}: {state}: {type(e).__name__}: {_first_line(str(e))}", str(file)) from e
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:200]
+
+
+def _state_dict(obj: Any, sf: StateFile) -> tuple[Mapping[str, Any], tuple[str, ...] | None]:
+    """The state dict inside a loaded file, and DeepSpeed's ``buffer_names`` when it has them."""
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{sf.path}: holds a {type(obj).__name__}, not a state dict", str(sf.path))
+    names = obj.get("buffer_names") if sf.inner == "module" else None
+    if sf.inner is not None:
+        inner = obj.get(sf.inner)
+        if not isinstance(inner, Mapping):
+            raise CheckpointError(f"{sf.path}: no {sf.inner!r} state dict inside", str(sf.path))
+        return inner, tuple(names) if isinstance(names, list) else None
+    if any(torch.is_tensor(v) for v in obj.values()):
+        return obj, None
+    for key in ("state_dict", "module", "model"):  # Lightning, DeepSpeed, common training scripts
+        inner = obj.get(key)
+        if isinstance(inner, Mapping) and any(torch.is_tensor(v) for v in inner.values()):
+            names = obj.get("buffer_names")
+            return inner, tuple(names) if key == "module" and isinstance(names, list) else None
+    raise CheckpointError(f"{sf.path}: holds no tensors (keys: {', '.join(map(str, list(obj)[:8]))})", str(sf.path))
+
+
+@contextmanager
+def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]:
+    """A lazy view of ``sf``'s state dict; the file stays open (mapped) inside the ``with``."""
+    if sf.format == "torch":
+        sd, names = _state_dict(_open_torch(sf.path, trust_pickle), sf)
+        entries = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+        yield Tensors({k: (v.dtype, tuple(v.shape)) for k, v in entries.items()}, entries.__getitem__, names)
+    elif sf.format == "safetensors":
+        st = _safetensors()
+        try:
+            handle = st.safe_open(str(sf.path), framework="pt")
+            f = handle.__enter__()
+            meta = {}
+            for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                s = f.get_slice(k)
+                meta[k] = (_SAFE_DTYPES[s.get_dtype()], tuple(s.get_shape()))
+        except (st.SafetensorError, OSError, KeyError) as e:
+            raise CheckpointError(f"{sf.path}: not a readable safetensors file ({_first_line(str(e))})",
+                                  str(sf.path)) from e
+        try:
+            yield Tensors(meta, f.get_tensor, None)
+        finally:
+            handle.__exit__(None, None, None)
+    else:
+        from ._compat import torch as compat
+
+        try:
+            metadata = compat.dcp_metadata(str(sf.path))
+        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as e:
+            raise CheckpointError(f"{sf.path}: unreadable DCP .metadata ({_first_line(str(e))})", str(sf.path)) from e
+        meta = compat.dcp_tensors(metadata)
+        cache: dict[str, torch.Tensor] = {}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in cache:
+                cache.update(compat.dcp_read(str(sf.path), {name: meta[name]}))
+            return cache[name]
+        yield Tensors(meta, get, None)
+
+
+_SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+
+
+def dcp_writers(sf: StateFile) -> dict[str, set[int]]:
+    """For a DCP folder: entry -> ranks whose files hold it."""
+    from ._compat import torch as compat
+
+    return compat.dcp_writers(compat.dcp_metadata(str(sf.path)))
+
+
+# -- writing ---------------------------------------------------------------------------------------------------------
+
+def rewrite(sf: StateFile, target: Path, values: Mapping[str, torch.Tensor], trust_pickle: bool) -> None:
+    """Write ``sf``'s file to ``target`` with the entries in ``values`` replaced; everything else as it was."""
+    if sf.format == "torch":
+        obj = _open_torch(sf.path, trust_pickle)
+        sd, _ = _state_dict(obj, sf)
+        for k, v in values.items():
+            sd[k] = v  # type: ignore[index]
+        torch.save(obj, target)
+    else:
+        st = _safetensors()
+        with st.safe_open(str(sf.path), framework="pt") as f:
+            tensors = {k: values[k] if k in values else f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            metadata = f.metadata()
+        st.torch.save_file(tensors, str(target), metadata=metadata)
+    _fsync(target)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def staging(beside: Path) -> Path:
+    """A fresh hidden folder next to ``beside`` (same file system, so the final rename is atomic)."""
+    folder = beside.parent / f".{beside.name}.zb-repair-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    return folder
+
+
+def swap_in(new: Path, old: Path) -> None:
+    """Replace folder ``old`` by ``new`` (two renames); if the second fails the first is undone."""
+    aside = old.parent / f".{old.name}.zb-old-{uuid.uuid4().hex[:8]}"
+    os.rename(old, aside)
+    try:
+        os.rename(new, old)
+    except BaseException:
+        os.rename(aside, old)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)

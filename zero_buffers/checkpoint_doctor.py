@@ -1,0 +1,561 @@
+"""checkpoint_report / repair_checkpoint: find and repair diverged buffers in checkpoints already written, offline.
+
+No process group, no GPU: files are read lazily (``torch.load(mmap=True, weights_only=True)``, safetensors'
+``safe_open``, DCP's metadata), so a folder of multi-GB rank files costs memory for the buffers compared, not
+for the weights. The ``zero-buffers inspect | diff | repair`` commands call these functions.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _ckpt_files, _compare
+from .errors import CheckpointError, InvalidArgumentError
+from .report import BufferReport, BufferRow
+
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+_PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What one checkpoint (or several files) holds, and how its copies of each buffer compare.
+
+    ``sources`` label the copies compared: the ranks of one checkpoint, or the files named, in order; the
+    ``differing_ranks`` and ``untrained_ranks`` of ``report``'s rows index into it (0 is the reference).
+    ``counters`` gives, per source, the smallest and largest ``num_batches_tracked``; ``untrained`` the
+    BatchNorm layers still at mean 0 / var 1 / count 0 and the sources where they are; ``not_compared`` the
+    entries only some sources hold.
+    """
+
+    kind: str
+    paths: tuple[str, ...]
+    tag: str | None
+    sources: tuple[str, ...]
+    per_rank: bool
+    report: BufferReport
+    kinds: tuple[tuple[str, int], ...]
+    counters: tuple[tuple[int, int] | None, ...]
+    untrained: tuple[tuple[str, tuple[int, ...]], ...]
+    notes: tuple[str, ...]
+    warnings: tuple[str, ...]
+    not_compared: tuple[str, ...]
+    buffer_names: bool = False
+
+    @property
+    def in_sync(self) -> bool:
+        return self.report.in_sync
+
+    @property
+    def compared(self) -> bool:
+        """Whether there were at least two copies to compare."""
+        return len(self.sources) > 1
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def heading(self) -> str:
+        where = ", ".join(self.paths)
+        tag = f", tag {self.tag!r}" if self.tag else ""
+        copies = (f"{len(self.sources)} ranks" if self.per_rank else "one copy" if len(self.sources) == 1
+                  else f"{len(self.sources)} copies")
+        return f"{where}: {self.kind}{tag}, {copies}"
+
+    def verdict(self) -> str:
+        rows = self.report.rows
+        if not self.compared:
+            return f"{len(rows)} buffers, one copy each: nothing to compare"
+        versus = "rank 0" if self.per_rank else f"the first file ({self.sources[0]})"
+        return (f"{len(self.report.out_of_sync)} of {len(rows)} buffers differ (compared with {versus}, "
+                f"atol={self.report.atol:g})")
+
+    def table(self, full: bool = False) -> str:
+        """The per-buffer table ``buffer_report`` prints; short (the differing rows) for more than 40 buffers."""
+        short = not full and len(self.report.rows) > 40
+        text = self.report.format(only_out_of_sync=short, head=self.verdict())
+        if short:
+            hidden = len(self.report.rows) - len(self.report.out_of_sync)
+            text += f"\n({hidden} buffers in sync not shown; --all shows every row)"
+        return text
+
+    def format(self, full: bool = False) -> str:
+        """What ``zero-buffers inspect`` prints."""
+        lines = [self.heading()]
+        if not self.per_rank and len(self.sources) > 1:
+            lines += [f"  source {i}: {s}" for i, s in enumerate(self.sources)]
+        lines += [f"  {note}" for note in self.notes]
+        kinds = ", ".join(f"{k} {n}" for k, n in self.kinds) or "none"
+        what = "buffers (DeepSpeed's buffer_names)" if self.buffer_names else "tensors (buffers and any weights)"
+        lines.append(f"  {what} per copy: {sum(n for _, n in self.kinds)}: {kinds}")
+        known = [(i, c) for i, c in enumerate(self.counters) if c is not None]
+        if known:
+            lines.append("  num_batches_tracked: " + "; ".join(
+                f"{self._who(i)} {lo}" + (f"..{hi}" if hi != lo else "") for i, (lo, hi) in known))
+        if self.untrained:
+            where = sorted({s for _, ss in self.untrained for s in ss})
+            lines.append(f"  untrained BatchNorm statistics (mean 0, var 1, count 0) in {len(self.untrained)} "
+                         f"layer(s) on {', '.join(self._who(s) for s in where)}: loaded or trained on some ranks "
+                         "only (incident 1's signature)")
+        else:
+            lines.append("  untrained BatchNorm statistics: none")
+        lines.append(f"  {self.verdict()}")
+        if self.compared and not self.in_sync:
+            bad = self.report.out_of_sync
+            lines.append("    " + ", ".join(r.name for r in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8
+                                                                           else ""))
+        if self.not_compared:
+            lines.append(f"  {len(self.not_compared)} entries held by some sources only, not compared: "
+                         + ", ".join(self.not_compared[:5]) + (" ..." if len(self.not_compared) > 5 else ""))
+        lines += [f"  WARNING: {w}" for w in self.warnings]
+        if full:
+            lines.append(self.table(full=True))
+        return "\n".join(lines)
+
+    def _who(self, i: int) -> str:
+        return f"rank {i}" if self.per_rank else f"source {i}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data: the fields, with one object per buffer (``BufferRow``'s fields) under ``buffers``."""
+        def clean(v: float) -> float | str:
+            return v if math.isfinite(v) else str(v)
+        rows = [{**asdict(r), "shape": list(r.shape), "max_abs_diff": clean(r.max_abs_diff),
+                 "max_rel_diff": clean(r.max_rel_diff), "differing_ranks": list(r.differing_ranks),
+                 "untrained_ranks": list(r.untrained_ranks)} for r in self.report.rows]
+        return {"kind": self.kind, "paths": list(self.paths), "tag": self.tag, "sources": list(self.sources),
+                "per_rank": self.per_rank, "compared": self.compared, "in_sync": self.in_sync,
+                "atol": self.report.atol, "buffers": rows, "kinds": dict(self.kinds),
+                "counters": [list(c) if c else None for c in self.counters],
+                "untrained": {k: list(v) for k, v in self.untrained}, "notes": list(self.notes),
+                "warnings": list(self.warnings), "not_compared": list(self.not_compared)}
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """What :func:`repair_checkpoint` wrote: ``merged`` BatchNorm layers (exact mixture), ``from_src`` buffers
+    that now hold rank ``src``'s values, ``rewritten`` rank files (the rest of the folder was copied as bytes)."""
+
+    path: str
+    out: str
+    kind: str
+    tag: str | None
+    ranks: int
+    policy: str
+    src: int
+    merged: tuple[str, ...]
+    from_src: tuple[str, ...]
+    rewritten: tuple[str, ...]
+    copied: int
+
+    def format(self) -> str:
+        return (f"{self.out}: repaired copy of {self.path} ({self.kind}, {self.ranks} ranks, policy {self.policy!r}"
+                f"{f', src {self.src}' if self.policy == 'broadcast' or self.from_src else ''}): "
+                f"{len(self.merged)} BatchNorm layer(s) merged, {len(self.from_src)} buffer(s) from rank {self.src}, "
+                f"{len(self.rewritten)} rank file(s) rewritten and verified, {self.copied} other file(s) copied")
+
+
+# -- reading and comparing -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Source:
+    """One copy: its label and its file."""
+
+    label: str
+    file: _ckpt_files.StateFile
+
+
+def _sources(layouts: Sequence[_ckpt_files.Layout]) -> list[_Source]:
+    if len(layouts) == 1:
+        return [_Source(f.label, f) for f in layouts[0].files]
+    out = []
+    for lay in layouts:
+        for f in lay.files:
+            out.append(_Source(f"{lay.path} [{f.label}]" if len(lay.files) > 1 else str(lay.path), f))
+    return out
+
+
+@contextmanager
+def _opened(sources: Sequence[_Source], trust_pickle: bool, progress: bool | None
+            ) -> Iterator[list[_ckpt_files.Tensors]]:
+    """Every source opened lazily (metadata only), with a progress bar for many files."""
+    with ExitStack() as stack:
+        views = []
+        for s in _bar(sources, "reading", progress):
+            views.append(stack.enter_context(_ckpt_files.open_tensors(s.file, trust_pickle)))
+        yield views
+
+
+def _bar(items: Sequence[Any], what: str, progress: bool | None) -> Iterable[Any]:
+    """tqdm on stderr when asked, or by default for 8 or more files on a terminal."""
+    show = progress if progress is not None else (len(items) >= 8 and sys.stderr.isatty())
+    if not show:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=what, unit="file", file=sys.stderr, leave=False)
+
+
+def _names(view: _ckpt_files.Tensors) -> list[str]:
+    """The buffers of one copy: DeepSpeed's ``buffer_names`` when recorded, else every tensor entry."""
+    if view.buffer_names is not None:
+        return [n for n in view.buffer_names if n in view.meta]
+    return list(view.meta)
+
+
+def _common_names(sources: Sequence[_Source], views: Sequence[_ckpt_files.Tensors], same_checkpoint: bool
+                  ) -> tuple[list[str], list[str]]:
+    """(names compared, names some sources lack). Ranks of one checkpoint must hold the same set and shapes."""
+    per = [_names(v) for v in views]
+    first = set(per[0])
+    if same_checkpoint:
+        for s, names, v in zip(sources[1:], per[1:], views[1:]):
+            if set(names) != first:
+                extra, lost = sorted(set(names) - first), sorted(first - set(names))
+                raise CheckpointError(
+                    f"{s.file.path}: {s.label} holds a different set of buffers than {sources[0].label} "
+                    f"({sources[0].file.path.name}): only on {s.label}: {extra[:5] or '-'}; missing on {s.label}: "
+                    f"{lost[:5] or '-'}", str(s.file.path))
+            for n in per[0]:
+                if v.meta[n] != views[0].meta[n]:
+                    raise CheckpointError(
+                        f"{s.file.path}: {n} is {_describe(v.meta[n])} on {s.label} but "
+                        f"{_describe(views[0].meta[n])} on {sources[0].label}", str(s.file.path))
+        return per[0], []
+    common = [n for n in per[0] if all(n in set(p) for p in per[1:])]
+    union = {n for p in per for n in p}
+    return common, sorted(union - set(common))
+
+
+def _describe(meta: tuple[torch.dtype, tuple[int, ...]]) -> str:
+    return f"{str(meta[0]).removeprefix('torch.')} {list(meta[1])}"
+
+
+def _compare_one(tensors: Sequence[torch.Tensor], atol: float) -> tuple[tuple[int, ...], float, float]:
+    """(indices differing from tensors[0], max |diff|, relative to the reference's largest magnitude)."""
+    ref, bad, worst = tensors[0], [], 0.0
+    for i, x in enumerate(tensors[1:], 1):
+        if x.shape != ref.shape:
+            bad.append(i)
+            worst = math.inf
+            continue
+        if atol == 0 and x.dtype == ref.dtype and _compare.bitwise_equal(x, ref):
+            continue
+        d = _compare.max_abs_diff(x, ref)
+        if (atol == 0 and x.dtype == ref.dtype) or not d <= atol:
+            bad.append(i)
+        worst = max(worst, d)
+    scale = _compare.max_abs(ref) if worst else 0.0
+    rel = 0.0 if worst == 0 else math.inf if scale == 0 else worst / scale
+    return tuple(bad), worst, rel
+
+
+def _bn_layers(names: Iterable[str]) -> dict[str, bool]:
+    """BatchNorm layers among ``names`` (prefix with running_mean and running_var) -> whether they have a counter."""
+    have = set(names)
+    return {n.removesuffix("running_mean"): n.removesuffix("running_mean") + "num_batches_tracked" in have
+            for n in have if n.endswith("running_mean") and n.removesuffix("running_mean") + "running_var" in have}
+
+
+def _untrained(view: _ckpt_files.Tensors, prefix: str, counted: bool) -> bool:
+    mean, var = view.get(prefix + "running_mean"), view.get(prefix + "running_var")
+    count = int(view.get(prefix + "num_batches_tracked")) if counted else 0
+    return count == 0 and not bool(mean.any()) and bool((var == 1).all())
+
+
+def _kind_of(name: str) -> str:
+    leaf = name.rsplit(".", 1)[-1]
+    return "BatchNorm statistics" if leaf in _STATS else leaf
+
+
+def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only: Iterable[str] = (),
+                      tag: str | None = None, trust_pickle: bool = False, progress: bool | None = None
+                      ) -> CheckpointReport:
+    """Compare every buffer across the ranks of one checkpoint, or across several files, offline.
+
+    ``path`` may be a DeepSpeed folder (its ``latest`` tag, or ``tag``), a tag folder, a folder of per-rank
+    ``.pt`` / ``.bin`` / ``.safetensors`` files named alike but for the rank number, a DCP folder, an
+    Accelerate ``save_state`` folder, or one state-dict file. With ``more`` paths, each copy is compared with
+    the first (a training checkpoint against the exported model, two runs...), over the entries all hold.
+    The entries compared are DeepSpeed's ``buffer_names`` where the file records them (its parameters are
+    placeholders), else every tensor of the state dict: without the model, a plain file does not say which
+    entries are buffers, and weights that differ across ranks are worth knowing about too.
+    A buffer is in sync when bitwise identical (``atol == 0``) or within ``atol`` of the reference. ``only``
+    keeps the names matching any of these globs. Files are never unpickled beyond tensors unless
+    ``trust_pickle``. Raises :class:`CheckpointError` (naming the file) for what cannot be read, missing
+    or extra rank files, or ranks whose buffers differ in name, dtype or shape.
+
+    Example::
+
+        report = zero_buffers.checkpoint_report("checkpoints/")   # a DeepSpeed save_checkpoint folder
+        print(report.table())
+    """
+    atol = _atol(atol)
+    patterns = _patterns(only)
+    layouts = [_ckpt_files.locate(p, tag) for p in (path, *more)]
+    sources = _sources(layouts)
+    same = len(layouts) == 1 and layouts[0].per_rank
+    warnings: list[str] = []
+    with _opened(sources, trust_pickle, progress) as views:
+        names, partial = _common_names(sources, views, same)
+        recorded = all(v.buffer_names is not None for v in views)
+        if patterns:
+            kept = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+            if not kept:
+                warnings.append(f"--only {' '.join(patterns)} matched none of the {len(names)} buffers")
+            names = kept
+        layers = _bn_layers(names)
+        fresh = {p: tuple(i for i, v in enumerate(views) if _untrained(v, p, c)) for p, c in layers.items()}
+        rows = []
+        for name in _bar(names, "comparing", progress and len(names) > 50):
+            tensors = [v.get(name) for v in views]
+            bad, worst, rel = _compare_one(tensors, atol)
+            layer = next((name.removesuffix(s) for s in _STATS if name.endswith(s)), None)
+            rows.append(BufferRow(name, str(tensors[0].dtype).removeprefix("torch."), tuple(tensors[0].shape), True,
+                                  not bad, worst, bad, rel, fresh.get(layer, ()) if layer is not None else ()))
+            del tensors
+        counters = tuple(_counter_range(v, [p + "num_batches_tracked" for p, c in layers.items() if c])
+                         for v in views)
+        if any(lay.kind == "torch DCP" for lay in layouts):
+            warnings += _dcp_warnings(layouts, layers)
+    kinds: dict[str, int] = {}
+    for n in names:
+        kinds[_kind_of(n)] = kinds.get(_kind_of(n), 0) + 1
+    notes = tuple(n for lay in layouts for n in lay.notes)
+    report = BufferReport(tuple(rows), tuple(range(len(sources))), 0, atol, checked=len(sources) > 1)
+    kind, tag = (layouts[0].kind, layouts[0].tag) if len(layouts) == 1 else ("files compared", None)
+    return CheckpointReport(kind, tuple(str(lay.path) for lay in layouts), tag,
+                            tuple(s.label for s in sources), same, report, tuple(sorted(kinds.items())), counters,
+                            tuple((p, s) for p, s in fresh.items() if s), notes, tuple(warnings), tuple(partial),
+                            recorded)
+
+
+def _counter_range(view: _ckpt_files.Tensors, names: Sequence[str]) -> tuple[int, int] | None:
+    values = [int(view.get(n)) for n in names]
+    return (min(values), max(values)) if values else None
+
+
+def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool]) -> list[str]:
+    """Which ranks wrote each BatchNorm layer's statistics in a DCP folder; a warning when they mix."""
+    out = []
+    for lay in layouts:
+        if lay.kind != "torch DCP":
+            continue
+        writers = _ckpt_files.dcp_writers(lay.files[0])
+        if not writers:
+            out.append(f"{lay.path}: DCP keeps one copy of each replicated entry from whichever rank its planner "
+                       "picks, and this folder does not say which: its BatchNorm statistics may mix ranks")
+            continue
+        mixed = []
+        for prefix, counted in layers.items():
+            keys = [prefix + s for s in _STATS[:2 + counted]]
+            who = {k: sorted(writers.get(k, ())) for k in keys}
+            if len({tuple(v) for v in who.values()}) > 1:
+                mixed.append(f"{prefix.rstrip('.')} (" + ", ".join(
+                    f"{k.rsplit('.', 1)[-1]} from rank {'/'.join(map(str, v))}" for k, v in who.items()) + ")")
+        ranks = sorted({r for v in writers.values() for r in v})
+        if mixed:
+            out.append(f"{lay.path}: {len(mixed)} BatchNorm layer(s) hold statistics written by different ranks, "
+                       f"a mixture no rank ever had: {'; '.join(mixed[:3])}{' ...' if len(mixed) > 3 else ''}")
+        elif layers:
+            out.append(f"{lay.path}: the entries were written by rank(s) {ranks}; each BatchNorm layer's "
+                       "statistics come from one rank's copy, not from all ranks' data")
+    return out
+
+
+def _atol(atol: Any) -> float:
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
+        raise InvalidArgumentError(f"atol must be a number >= 0, got {atol!r}")
+    return float(atol)
+
+
+def _patterns(only: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(only, str):
+        return (only,)
+    pats = tuple(only)
+    if not all(isinstance(p, str) for p in pats):
+        raise InvalidArgumentError(f"only must be glob strings, got {pats!r}")
+    return pats
+
+
+# -- repairing -------------------------------------------------------------------------------------------------------
+
+_POLICIES = ("average", "broadcast")
+
+
+def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: str = "average", src: int = 0,
+                      tag: str | None = None, in_place: bool = False, trust_pickle: bool = False,
+                      progress: bool | None = None) -> RepairResult:
+    """Write a copy of a per-rank checkpoint in which every rank holds the same buffers.
+
+    ``policy="average"``: each BatchNorm layer's statistics become the exact mixture of the ranks'
+    (``average_bn_stats``' float64 merge, weighted by ``num_batches_tracked``, its spread term included;
+    the counters summed); every other buffer that differs takes rank ``src``'s value. ``"broadcast"``:
+    every buffer takes rank ``src``'s. Works on DeepSpeed ZeRO-3 folders (every rank's model-states
+    file is rewritten, so ``engine.load_checkpoint`` on every rank and ``zero_to_fp32`` both see the
+    repaired values; optimizer files and the rest are copied as bytes) and on folders of per-rank
+    ``.pt`` / ``.bin`` / ``.safetensors`` files. Nothing is written into ``path``: the copy is built in a
+    hidden folder beside ``out`` (or beside the input with ``in_place=True``), every rewritten file is
+    re-read and checked, then it is renamed into place (``in_place`` swaps it for the input folder and
+    rolls back if the swap fails). On any failure, a full disk included, nothing is left behind and the
+    input is unchanged; :class:`CheckpointError` says what failed where.
+
+    Example::
+
+        zero_buffers.repair_checkpoint("ckpt/", "ckpt_fixed/", policy="average")
+    """
+    if policy not in _POLICIES:
+        raise InvalidArgumentError(f"policy must be one of {_POLICIES}, got {policy!r}")
+    if (out is None) == (not in_place):
+        raise InvalidArgumentError("give exactly one of out=... and in_place=True")
+    lay = _ckpt_files.locate(path, tag)
+    if not lay.per_rank:
+        raise CheckpointError(f"{lay.path}: a {lay.kind} checkpoint holds one copy of each buffer "
+                              f"({lay.notes[0] if lay.notes else 'not per rank'}): nothing to repair", str(lay.path))
+    n = len(lay.files)
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
+    target = _destination(lay, out, in_place)
+    sources = _sources([lay])
+    with _opened(sources, trust_pickle, progress) as views:
+        names, _ = _common_names(sources, views, True)
+        values, merged, from_src = _repaired_values(views, names, policy, src)
+        stage = _ckpt_files.staging(lay.unit if in_place else target)
+        try:
+            unit = stage if in_place or lay.unit == lay.path else stage / lay.unit.name
+            rewritten, copied = _write_copy(lay, views, values, unit, stage, in_place, trust_pickle, progress)
+            if in_place:
+                _ckpt_files.swap_in(stage, lay.unit)
+            else:
+                os.rename(stage, target)
+        except _ckpt_files.write_errors() as e:
+            shutil.rmtree(stage, ignore_errors=True)
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"repairing {lay.path} failed while writing: {type(e).__name__}: "
+                                  f"{_first(e)} (a full disk or a file size limit?); the input is unchanged and "
+                                  f"nothing was written to {target}", str(target)) from e
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+    return RepairResult(str(lay.path), str(target), lay.kind, lay.tag, n, policy, src, tuple(merged),
+                        tuple(from_src), tuple(rewritten), copied)
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool) -> Path:
+    """Where the repaired copy goes; refuses an existing output or one inside the input."""
+    if in_place:
+        return lay.unit
+    assert out is not None
+    target = Path(out)
+    if target.exists():
+        raise CheckpointError(f"{target}: the output already exists; name a new folder (or --in-place)", str(target))
+    inp = lay.path.resolve()
+    resolved = target.resolve()
+    if resolved == inp or resolved.is_relative_to(inp) or resolved.is_relative_to(lay.unit.resolve()):
+        raise CheckpointError(f"{target}: the output is inside the input {lay.path}; write it elsewhere",
+                              str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
+
+
+def _repaired_values(views: Sequence[_ckpt_files.Tensors], names: Sequence[str], policy: str, src: int
+                     ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """The value every rank gets, for each buffer that is not already identical everywhere."""
+    values: dict[str, torch.Tensor] = {}
+    merged: list[str] = []
+    if policy == "average":
+        for prefix, counted in _bn_layers(names).items():
+            stats = _mixture(views, prefix, counted)
+            if stats is not None:
+                values.update(stats)
+                merged.append(prefix.rstrip("."))
+    from_src = []
+    for name in names:
+        if name in values:
+            continue
+        tensors = [v.get(name) for v in views]
+        if not all(_compare.bitwise_equal(t, tensors[0]) for t in tensors[1:]):
+            values[name] = tensors[src].clone()
+            from_src.append(name)
+    return values, merged, from_src
+
+
+def _mixture(views: Sequence[_ckpt_files.Tensors], prefix: str, counted: bool) -> dict[str, torch.Tensor] | None:
+    """average_bn_stats' merge of one layer across the ranks' files (None when no rank has counted a batch)."""
+    mean_k, var_k, count_k = (prefix + s for s in _STATS)
+    n = torch.tensor([float(v.get(count_k)) if counted else 1.0 for v in views], dtype=torch.float64)
+    total = float(n.sum())
+    if total <= 0:
+        return None
+    means = torch.stack([v.get(mean_k).double() for v in views])
+    second = torch.stack([v.get(var_k).double() for v in views]) + means * means
+    w = n.view(-1, *([1] * (means.dim() - 1)))
+    mean = (w * means).sum(0) / total
+    var = ((w * second).sum(0) / total - mean * mean).clamp_min(0)
+    ref = views[0]
+    out = {mean_k: mean.to(ref.get(mean_k).dtype), var_k: var.to(ref.get(var_k).dtype)}
+    if counted:
+        out[count_k] = torch.tensor(round(total), dtype=ref.get(count_k).dtype)
+    return out
+
+
+def _write_copy(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values: dict[str, torch.Tensor],
+                unit: Path, stage: Path, in_place: bool, trust_pickle: bool, progress: bool | None
+                ) -> tuple[list[str], int]:
+    """Fill ``unit`` (inside ``stage``): rank files rewritten and verified, everything else copied as bytes."""
+    unit.mkdir(exist_ok=True)
+    ranks = {f.path.name: (f, v) for f, v in zip(lay.files, views)}
+    rewritten, copied = [], 0
+    for entry in _bar(sorted(lay.unit.iterdir()), "writing", progress):
+        dest = unit / entry.name
+        if entry.name in ranks:
+            sf, view = ranks[entry.name]
+            mine = {k: t for k, t in values.items() if not _compare.bitwise_equal(view.get(k), t)}
+            if mine:
+                _ckpt_files.rewrite(sf, dest, mine, trust_pickle)
+                _verify(sf, dest, view, values, trust_pickle)
+                rewritten.append(str(sf.path.relative_to(lay.path) if sf.path.is_relative_to(lay.path)
+                                     else sf.path.name))
+                continue
+        if entry.is_dir():
+            shutil.copytree(entry, dest)
+        else:
+            shutil.copy2(entry, dest)
+        copied += 1
+    if not in_place and unit != stage:  # a DeepSpeed root: its own files (latest, zero_to_fp32.py), this tag only
+        for entry in sorted(lay.path.iterdir()):
+            if entry.is_file():
+                if entry.name == "latest":
+                    (stage / "latest").write_text(str(lay.tag))
+                else:
+                    shutil.copy2(entry, stage / entry.name)
+                copied += 1
+    return rewritten, copied
+
+
+def _verify(sf: _ckpt_files.StateFile, written: Path, before: _ckpt_files.Tensors, values: dict[str, torch.Tensor],
+            trust_pickle: bool) -> None:
+    """Re-read a rewritten file: the repaired entries hold the new values, every other entry its old bytes."""
+    again = _ckpt_files.StateFile(written, sf.label, sf.rank, sf.format, sf.inner)
+    with _ckpt_files.open_tensors(again, trust_pickle) as view:
+        if set(view.meta) != set(before.meta):
+            raise CheckpointError(f"{written}: re-read after writing, it holds other entries than {sf.path}",
+                                  str(written))
+        for k in view.meta:
+            want = values[k] if k in values else before.get(k)
+            if not _compare.bitwise_equal(view.get(k), want):
+                raise CheckpointError(f"{written}: re-read after writing, {k} does not hold what was written",
+                                      str(written))
