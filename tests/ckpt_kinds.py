@@ -47,12 +47,12 @@ def site_net() -> nn.Module:
 def site_batch(site: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` images of site ``site``: class prototypes plus noise, then the site's per-channel gain and offset."""
     protos = torch.Generator().manual_seed(12345)
-    prototypes = torch.randn(CLASSES, 3, 1, 1, generator=protos) * 1.5
+    prototypes = torch.randn(CLASSES, 3, 1, 1, generator=protos)
     g = torch.Generator().manual_seed(1000 * seed + site)
     y = torch.randint(0, CLASSES, (n,), generator=g)
     x = prototypes[y] + torch.randn(n, 3, 6, 6, generator=g)
-    gain = torch.tensor([1.0 + 0.4 * site, 1.0, 1.0 - 0.1 * site]).view(1, 3, 1, 1)
-    offset = torch.tensor([2.0 * site, -1.5 * site, 1.0 * site]).view(1, 3, 1, 1)
+    gain = torch.tensor([1.0 + 0.5 * site, 1.0, 1.0 - 0.2 * site]).view(1, 3, 1, 1)
+    offset = torch.tensor([3.0 * site, -2.0 * site, 1.5 * site]).view(1, 3, 1, 1)
     return x * gain + offset, y
 
 

@@ -6,9 +6,11 @@ from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
 from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
+from .checkpoint_doctor import CheckpointReport, RepairResult, checkpoint_report, repair_checkpoint
 from .errors import (
     BuffersOutOfSyncError,
     BufferStructureError,
+    CheckpointError,
     CollectiveError,
     DeepSpeedUnavailableError,
     DependencyError,
@@ -31,6 +33,8 @@ __all__ = [
     "BufferRow",
     "BufferStructureError",
     "BuffersOutOfSyncError",
+    "CheckpointError",
+    "CheckpointReport",
     "CollectiveError",
     "DeepSpeedUnavailableError",
     "DependencyError",
@@ -40,6 +44,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidSourceRankError",
     "RecomputeError",
+    "RepairResult",
     "SaveHook",
     "SyncAbortedError",
     "UnsupportedDeviceError",
@@ -49,12 +54,14 @@ __all__ = [
     "average_bn_stats",
     "broadcast_buffers",
     "buffer_report",
+    "checkpoint_report",
     "frozen_replica",
     "install",
     "installed",
     "is_frozen_replica",
     "no_zero_init",
     "recompute_bn_stats",
+    "repair_checkpoint",
     "sync_buffers",
     "sync_buffers_on_save",
     "uninstall",

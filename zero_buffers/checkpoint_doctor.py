@@ -259,9 +259,10 @@ def _compare_one(tensors: Sequence[torch.Tensor], atol: float) -> tuple[tuple[in
 
 def _bn_layers(names: Iterable[str]) -> dict[str, bool]:
     """BatchNorm layers among ``names`` (prefix with running_mean and running_var) -> whether they have a counter."""
-    have = set(names)
+    ordered = list(names)
+    have = set(ordered)
     return {n.removesuffix("running_mean"): n.removesuffix("running_mean") + "num_batches_tracked" in have
-            for n in have if n.endswith("running_mean") and n.removesuffix("running_mean") + "running_var" in have}
+            for n in ordered if n.endswith("running_mean") and n.removesuffix("running_mean") + "running_var" in have}
 
 
 def _untrained(view: _ckpt_files.Tensors, prefix: str, counted: bool) -> bool:
@@ -435,18 +436,27 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
                 _ckpt_files.swap_in(stage, lay.unit)
             else:
                 os.rename(stage, target)
-        except _ckpt_files.write_errors() as e:
+        except (_WriteFailed, *_ckpt_files.write_errors()) as e:  # type: ignore[misc]
             shutil.rmtree(stage, ignore_errors=True)
             if isinstance(e, CheckpointError):
                 raise
-            raise CheckpointError(f"repairing {lay.path} failed while writing: {type(e).__name__}: "
-                                  f"{_first(e)} (a full disk or a file size limit?); the input is unchanged and "
-                                  f"nothing was written to {target}", str(target)) from e
+            file, cause = (e.file, e.error) if isinstance(e, _WriteFailed) else (target, e)
+            raise CheckpointError(f"repairing {lay.path} failed while writing {file.name}: {type(cause).__name__}: "
+                                  f"{_first(cause)} (a full disk or a file size limit?); the input is unchanged and "
+                                  f"nothing was written to {target}", str(file)) from cause
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
     return RepairResult(str(lay.path), str(target), lay.kind, lay.tag, n, policy, src, tuple(merged),
                         tuple(from_src), tuple(rewritten), copied)
+
+
+class _WriteFailed(Exception):
+    """A writer's exception (OSError, torch's RuntimeError, SafetensorError) and the file it was writing."""
+
+    def __init__(self, file: Path, error: BaseException):
+        super().__init__(str(error))
+        self.file, self.error = file, error
 
 
 def _first(e: BaseException) -> str:
@@ -518,23 +528,15 @@ def _write_copy(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], v
     """Fill ``unit`` (inside ``stage``): rank files rewritten and verified, everything else copied as bytes."""
     unit.mkdir(exist_ok=True)
     ranks = {f.path.name: (f, v) for f, v in zip(lay.files, views)}
-    rewritten, copied = [], 0
+    rewritten: list[str] = []
+    copied = 0
     for entry in _bar(sorted(lay.unit.iterdir()), "writing", progress):
-        dest = unit / entry.name
-        if entry.name in ranks:
-            sf, view = ranks[entry.name]
-            mine = {k: t for k, t in values.items() if not _compare.bitwise_equal(view.get(k), t)}
-            if mine:
-                _ckpt_files.rewrite(sf, dest, mine, trust_pickle)
-                _verify(sf, dest, view, values, trust_pickle)
-                rewritten.append(str(sf.path.relative_to(lay.path) if sf.path.is_relative_to(lay.path)
-                                     else sf.path.name))
-                continue
-        if entry.is_dir():
-            shutil.copytree(entry, dest)
-        else:
-            shutil.copy2(entry, dest)
-        copied += 1
+        try:
+            copied += _write_entry(entry, unit / entry.name, ranks, values, rewritten, lay, trust_pickle)
+        except _ckpt_files.write_errors() as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise _WriteFailed(unit / entry.name, e) from e
     if not in_place and unit != stage:  # a DeepSpeed root: its own files (latest, zero_to_fp32.py), this tag only
         for entry in sorted(lay.path.iterdir()):
             if entry.is_file():
@@ -544,6 +546,25 @@ def _write_copy(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], v
                     shutil.copy2(entry, stage / entry.name)
                 copied += 1
     return rewritten, copied
+
+
+def _write_entry(entry: Path, dest: Path, ranks: dict[str, tuple[_ckpt_files.StateFile, _ckpt_files.Tensors]],
+                 values: dict[str, torch.Tensor], rewritten: list[str], lay: _ckpt_files.Layout, trust_pickle: bool
+                 ) -> int:
+    """Rewrite (and verify) one rank file, or copy any other entry; returns 1 for a copy."""
+    if entry.name in ranks:
+        sf, view = ranks[entry.name]
+        mine = {k: t for k, t in values.items() if not _compare.bitwise_equal(view.get(k), t)}
+        if mine:
+            _ckpt_files.rewrite(sf, dest, mine, trust_pickle)
+            _verify(sf, dest, view, values, trust_pickle)
+            rewritten.append(str(sf.path.relative_to(lay.path) if sf.path.is_relative_to(lay.path) else sf.path.name))
+            return 0
+    if entry.is_dir():
+        shutil.copytree(entry, dest)
+    else:
+        shutil.copy2(entry, dest)
+    return 1
 
 
 def _verify(sf: _ckpt_files.StateFile, written: Path, before: _ckpt_files.Tensors, values: dict[str, torch.Tensor],

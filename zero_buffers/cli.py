@@ -172,9 +172,10 @@ def doctor(args: argparse.Namespace) -> int:
             print(repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src, in_place=args.in_place,
                                     **common).format())
             return 0
-        paths = [args.path] if args.command == "inspect" else args.paths
-        kw = {"atol": args.atol, "only": args.only} if args.command == "diff" else {}
-        report = checkpoint_report(*paths, **kw, **common)
+        if args.command == "inspect":
+            report = checkpoint_report(args.path, **common)
+        else:
+            report = checkpoint_report(*args.paths, atol=args.atol, only=args.only, **common)
     except ZeroBuffersError as e:
         print(f"zero-buffers {args.command}: {e}", file=sys.stderr)
         return 2
