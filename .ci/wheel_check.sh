@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the wheel, install it with torch alone (no DeepSpeed, transformers, Accelerate, NumPy) into a fresh venv,
-# and use it from there: the core API, `zero-buffers list`, and one repro script shipped inside the package.
+# and use it from there: the core API, `zero-buffers list`, the checkpoint doctor on per-rank files, and one repro
+# script shipped inside the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work="$(mktemp -d)"
@@ -35,5 +36,19 @@ echo "$listing"
 for name in buffers_diverge ddp_bn_checkpoint zero3_load_buffers zero3_frozen_tokenizer zero3_frozen_hf_accelerate; do
   grep -q "^$name " <<<"$listing" || { echo "zero-buffers list misses $name"; exit 1; }
 done
+"$work/venv/bin/python" - <<'EOF'
+import os
+import torch
+from torch import nn
+os.mkdir("ranks")
+for r in range(2):  # two ranks' files whose BatchNorm statistics diverged
+    bn = nn.BatchNorm1d(3)
+    bn(torch.randn(8, 3) + r)
+    torch.save(bn.state_dict(), f"ranks/rank{r}.pt")
+EOF
+set +e; "$work/venv/bin/zero-buffers" diff ranks; code=$?; set -e
+[ "$code" = 1 ] || { echo "zero-buffers diff should exit 1 on diverged ranks, got $code"; exit 1; }
+"$work/venv/bin/zero-buffers" repair ranks -o fixed
+"$work/venv/bin/zero-buffers" diff fixed
 OMP_NUM_THREADS=1 "$work/venv/bin/zero-buffers" repro buffers_diverge --nproc 2 --timeout 300
 echo "wheel check: ok"

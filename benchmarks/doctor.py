@@ -1,0 +1,180 @@
+"""The checkpoint doctor against the naive way, on a generated folder of per-rank checkpoint files.
+
+    python benchmarks/doctor.py               # 4 ranks x 512 MiB of weights (2 GiB) + ResNet-50's BatchNorm buffers
+    python benchmarks/doctor.py --quick       # 2 ranks x 8 MiB: checks every output, claims nothing
+
+Methods, each in a fresh process so that its peak memory is its own (VmHWM: peak resident set, which counts
+mmap'ed file pages it touched; RssAnon: the peak of the memory it allocated, sampled every 5 ms):
+
+- naive: ``torch.load`` every rank file (``weights_only=True``), then compare every entry with rank 0's;
+- ``zero-buffers inspect`` / ``diff``: lazy (mmap) reads, one entry of every rank at a time;
+- ``diff --only`` the BatchNorm statistics: what it costs to compare the buffers alone.
+
+The methods take turns run by run (median of the repeats); the page cache is warm for all of them after the
+first round, so the times compare the work, not the disk. Writes ``doctor.json``, ``doctor.md`` and
+``doctor.png`` into the output folder.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_CHILD = r"""
+import json, re, sys, threading, time
+peak = [0]
+def rss_anon():
+    return int(re.search(r"RssAnon:\s+(\d+)", open("/proc/self/status").read()).group(1))
+def sample():
+    while True:
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.005)
+threading.Thread(target=sample, daemon=True).start()
+method, folder = sys.argv[1], sys.argv[2]
+import torch
+from pathlib import Path
+from zero_buffers import cli
+base = rss_anon()
+start = time.perf_counter()
+if method == "naive":
+    files = sorted(Path(folder).glob("rank*.pt"))
+    sds = [torch.load(f, weights_only=True) for f in files]
+    differ = sorted(k for k in sds[0] if any(not torch.equal(sd[k], sds[0][k]) for sd in sds[1:]))
+    result = len(differ)
+else:
+    import contextlib, io
+    args = {"inspect": ["inspect", folder], "diff": ["diff", folder],
+            "diff_only_bn": ["diff", folder, "--only", "*running_*", "--only", "*num_batches_tracked"]}[method]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = cli.main(args)
+    text = out.getvalue()
+    found = re.search(r"(\d+) of (\d+) buffers differ", text)
+    result = int(found.group(1)) if found else -1
+seconds = time.perf_counter() - start
+peak[0] = max(peak[0], rss_anon())
+hwm = int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1))
+print(json.dumps({"seconds": seconds, "peak_rss_MiB": hwm / 1024, "peak_anon_MiB": (peak[0] - base) / 1024,
+                  "differing": result}))
+"""
+
+METHODS = ("naive", "inspect", "diff", "diff_only_bn")
+
+
+def resnet50_bn() -> list[tuple[str, int]]:
+    """(name, channels) of ResNet-50's 53 BatchNorm layers."""
+    out = [("bn1", 64)]
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        width = 64 * 2 ** stage
+        for b in range(blocks):
+            out += [(f"layer{stage + 1}.{b}.bn{i + 1}", c) for i, c in enumerate((width, width, width * 4))]
+            if b == 0:
+                out.append((f"layer{stage + 1}.{b}.downsample.1", width * 4))
+    return out
+
+
+def generate(folder: Path, world: int, weight_mib: int) -> dict[str, float]:
+    """``world`` rank files: identical weights (``weight_mib`` MiB each, 32 MiB tensors) and BatchNorm statistics
+    that differ on every rank but rank 0's counters."""
+    g = torch.Generator().manual_seed(0)
+    chunk = min(32, weight_mib)
+    weights = {f"weight.{i}": torch.randn(chunk * (1 << 18), generator=g) for i in range(weight_mib // chunk)}
+    for r in range(world):
+        sd = dict(weights)
+        for name, c in resnet50_bn():
+            sd[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.1 * r
+            sd[f"{name}.running_var"] = 1 + torch.rand(c, generator=g) * r
+            sd[f"{name}.num_batches_tracked"] = torch.tensor(100)
+        torch.save(sd, folder / f"rank{r}.pt")
+    total = sum(f.stat().st_size for f in folder.iterdir())
+    return {"files": world, "total_MiB": total / 2 ** 20, "weights_MiB_per_file": float(weight_mib),
+            "bn_layers": len(resnet50_bn())}
+
+
+def run(method: str, folder: Path) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", _CHILD, method, str(folder)], capture_output=True, text=True,
+                          timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    world, mib, repeats = (2, 8, 1) if args.quick else (4, 512, args.repeats)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="zb_doctor_bench_") as tmp:
+        folder = Path(tmp)
+        setup = generate(folder, world, mib)
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+        for _ in range(repeats):
+            for m in METHODS:
+                runs[m].append(run(m, folder))
+    want = 2 * len(resnet50_bn())  # running_mean and running_var of every layer differ; the counters agree
+    rows = []
+    for m in METHODS:
+        got = {r["differing"] for r in runs[m]}
+        if got != {want}:
+            raise SystemExit(f"{m} found {got} differing entries, expected {want}")
+        rows.append({"method": m, "seconds": statistics.median(r["seconds"] for r in runs[m]),
+                     "peak_rss_MiB": max(r["peak_rss_MiB"] for r in runs[m]),
+                     "peak_anon_MiB": max(r["peak_anon_MiB"] for r in runs[m])})
+    naive = rows[0]
+    for r in rows:
+        r["time_vs_naive"] = r["seconds"] / naive["seconds"]
+        r["anon_vs_naive"] = r["peak_anon_MiB"] / max(naive["peak_anon_MiB"], 1e-9)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
+            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": __import__("os").cpu_count(), "repeats": repeats, **setup}
+    (out / "doctor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# checkpoint doctor vs torch.load of every file ({meta['date']})", "",
+             f"{setup['files']} rank files, {setup['total_MiB']:.0f} MiB in all ({mib} MiB of weights each, "
+             f"ResNet-50's {setup['bn_layers']} BatchNorm layers diverged); torch {meta['torch']}, "
+             f"{meta['cpus']} CPUs; median of {repeats}." + (" quick mode: claims nothing." if args.quick else ""),
+             "", "| method | seconds | x naive | peak RSS MiB | peak allocated MiB | x naive |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['time_vs_naive']:.2f} | {r['peak_rss_MiB']:.0f} | "
+              f"{r['peak_anon_MiB']:.0f} | {r['anon_vs_naive']:.4f} |" for r in rows]
+    lines += ["", "Peak RSS counts the mmap'ed file pages a method touched (the kernel can drop them at any time); "
+              "peak allocated (RssAnon) is the memory the method needs."]
+    (out / "doctor.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _plot(rows, out / "doctor.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = [r["method"] for r in rows]
+    a.bar(names, [r["seconds"] for r in rows], color="tab:blue")
+    a.set_ylabel("seconds (median)")
+    b.bar(names, [r["peak_anon_MiB"] for r in rows], color="tab:orange", label="allocated (RssAnon)")
+    b.bar(names, [r["peak_rss_MiB"] for r in rows], color="none", edgecolor="black", label="peak RSS (with mmap)")
+    b.set_ylabel("MiB")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.suptitle("zero-buffers inspect / diff vs torch.load of every rank file")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
