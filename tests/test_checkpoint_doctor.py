@@ -334,6 +334,12 @@ def _edit(step: Path, r: int, change) -> None:
     torch.save(sd, _model_file(step, r))
 
 
+def _zero_bytes(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at:at + 64] = bytes(64)
+    file.write_bytes(data)
+
+
 BAD = {
     "missing rank": (lambda s: _model_file(s, 1).unlink(), "rank file(s) missing for rank(s) [1]", 1),
     "extra rank": (lambda s: shutil.copy(_model_file(s, 0), _model_file(s, 7)), "data-parallel world of", 7),
@@ -343,9 +349,27 @@ BAD = {
     "truncated": (lambda s: _model_file(s, 1).write_bytes(_model_file(s, 1).read_bytes()[:900]),
                   "truncated or corrupt", 1),
     "not a checkpoint": (lambda s: _model_file(s, 1).write_text("hello\n"), "not a torch checkpoint", 1),
+    "corrupt tail": (lambda s: _zero_bytes(_model_file(s, 1), -200), "truncated or corrupt", 1),
     "pickled object": (lambda s: torch.save({"module": {"x": torch.zeros(1)}, "f": Path("x")}, _model_file(s, 1)),
                        "weights_only=True refuses", 1),
 }
+
+
+def test_repair_refuses_a_file_whose_data_fails_its_crc_check(kinds2, tmp_path):
+    """Zeroed bytes inside a tensor's data load silently (mmap, no CRC check): repair checks the CRCs first."""
+    copy = _damaged(kinds2, tmp_path, lambda s: _zero_bytes(_model_file(s, 1), _model_file(s, 1).stat().st_size // 2))
+    before = tree_digest(copy)
+    code, _, err = doctor("repair", str(copy), "-o", str(tmp_path / "out"))
+    assert code == 2 and "fails its CRC-32 check" in err and _model_file(Path("step8"), 1).name in err
+    assert tree_digest(copy) == before and sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_progress_bar_for_many_files_goes_to_stderr(kinds2, capsys):
+    folder, _ = kinds2
+    zb.checkpoint_report(folder / "zero3", progress=True)
+    assert "reading" in capsys.readouterr().err
+    zb.checkpoint_report(folder / "zero3")  # default: only for 8 or more files on a terminal
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("case", list(BAD))

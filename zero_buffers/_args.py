@@ -93,3 +93,10 @@ def optional_rank(value: Any, name: str, fn: str) -> int | None:
     except InvalidSourceRankError:
         raise InvalidSourceRankError(f"{fn}(): {name} must be a non-negative int rank or None, got "
                                      f"{value!r:.40}") from None
+
+
+def flag(value: Any, name: str, fn: str) -> bool:
+    """``value`` when it is a bool, else InvalidArgumentError."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{fn}(): {name} must be True or False, got {value!r}")
+    return value

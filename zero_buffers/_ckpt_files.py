@@ -255,6 +255,20 @@ def _open_torch(file: Path, trust_pickle: bool) -> Any:
         raise CheckpointError(f"{file}: {state}: {type(e).__name__}: {_first_line(str(e))}", str(file)) from e
 
 
+def check_crc(sf: StateFile) -> None:
+    """Read every member of a torch zip checkpoint and check its CRC-32 (torch's mmap reader does not)."""
+    if sf.format != "torch" or not zipfile.is_zipfile(sf.path):
+        return
+    try:
+        with zipfile.ZipFile(sf.path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{sf.path}: a truncated or corrupt torch checkpoint: {_first_line(str(e))}",
+                              str(sf.path)) from e
+    if bad is not None:
+        raise CheckpointError(f"{sf.path}: corrupt: the archive member {bad} fails its CRC-32 check", str(sf.path))
+
+
 def _first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line[:200]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
-from . import _args, _group, _modules, _structure, _transaction, _wire
+from . import _args, _global_bn, _group, _modules, _structure, _transaction, _wire
 from ._compat import deepspeed as ds_compat
 from .errors import InvalidArgumentError, RecomputeError
 
@@ -22,7 +23,7 @@ _FN = "recompute_bn_stats"
 def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Mapping[str, Any] | Callable[[], Any],
                        *, num_batches: int | None = None, group: Any = None, progress: bool = True,
                        timeout: _args.Timeout = None, device: torch.device | str | None = None,
-                       forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
+                       forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> int:
     """Recompute every BatchNorm's running statistics from forward passes over all ranks' data, identically on each.
 
     Each rank runs ``model`` in train mode under ``torch.no_grad()`` over its own batches of ``data``
@@ -40,6 +41,17 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     torch's own definition (mean of per-instance means and of per-instance unbiased variances).
     Layers no rank reached keep their statistics. This is the pooled variance over all samples, not the
     average of per-batch variances that fvcore's / detectron2's "precise BN" computes.
+
+    ``global_batch=True``: during the passes every BatchNorm normalises by the statistics of the batch
+    of all ranks together (the normalisation ``SyncBatchNorm`` would use, on any backend and device),
+    instead of by this rank's batch. The ranks step together: step ``k`` is the ``k``-th batch of every
+    rank that still has one; a rank that has run out (or never had a batch) runs no forward but joins
+    each layer's all-reduce with nothing, so only real batches enter the normalisation. What is written
+    is then, for every BatchNorm layer, the population mean and unbiased variance over all samples of
+    its input, where that input was computed with every earlier BatchNorm normalising by its step's
+    global batch: right at every layer, not only the first, when the ranks' data differ. It costs one
+    all-reduce per BatchNorm call (a few KiB) and one per step; forwards must call the same layers in
+    the same order on every rank (a difference raises :class:`RecomputeError` everywhere).
 
     ``data``: an iterable of batches, a callable returning a fresh one, or one tensor or mapping (a
     single batch). A tensor is passed as ``model(x)``, a tuple or list as ``model(batch[0])``
@@ -80,7 +92,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
         return 0  # not a member of the group
     inner = _modules.unwrap(model, _FN)
     result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
-                             forward=forward)
+                             forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN))
     return 0 if result is None else write(*result)
 
 
@@ -99,7 +111,7 @@ Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
 
 def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadline: _wire.Deadline, *,
                     num_batches: int | None = None, progress: bool = True, device: torch.device | str | None = None,
-                    forward: Callable[[nn.Module, Any], Any] | None = None) -> Sums | None:
+                    forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> Sums | None:
     """The passes and the all-reduce, with every buffer as it was afterwards (nothing is written); None when the model
     has no tracking BatchNorm. Raises RecomputeError on every rank when a rank failed or no rank had a batch."""
     bns = _modules.tracking_bn(inner)
@@ -108,7 +120,7 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     lazy = [n for n, t in entries if is_lazy(t)]
     if g is not None:
         described = [(n, _structure.Spec(n, "uninitialised", (), "lazy") if is_lazy(t) else t) for n, t in entries]
-        _structure.agree(g, (_FN, bool(zero)), described, deadline, _FN)
+        _structure.agree(g, (_FN, bool(zero), global_batch), described, deadline, _FN)
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
     if g is not None:
@@ -124,15 +136,21 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     saved_other = [(b, b.detach().clone()) for _, b in _modules.named_buffers(inner) if id(b) not in stat_ids]
     acc = _Accumulators(bns)
     failure: BaseException | None = None
+    plain = [bn for bn in bns if not isinstance(bn.module, _InstanceNorm)]
+    lockstep = _global_bn.Lockstep(g, plain, deadline, _FN) if global_batch and g is not None and plain else None
     try:
         with _passes(inner, bns, acc, saved_other, zero):
             runner = _Runner(inner, acc, forward, device)
-            try:
-                source = _batches(data)
-                with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
-                    runner.run_all(_limit(source, num_batches), bar)
-            except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                failure = e
+            if lockstep is not None:
+                with lockstep.patched():
+                    failure = _run_in_lockstep(lockstep, runner, data, num_batches, progress and lockstep.g.me == 0)
+            else:
+                try:
+                    source = _batches(data)
+                    with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
+                        runner.run_all(_limit(source, num_batches), bar)
+                except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                    failure = e
         if failure is not None and g is None:
             raise RecomputeError(f"{_FN}() failed: {type(failure).__name__}: {failure}. No buffer was modified.",
                                  (0,)) from failure
@@ -150,6 +168,36 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     finally:
         _restore(saved_stats)  # the layers' own train-mode updates during the passes are discarded
         acc.clear()
+
+
+def _run_in_lockstep(lockstep: _global_bn.Lockstep, runner: _Runner, data: Any, num_batches: int | None,
+                     show: bool) -> BaseException | None:
+    """global_batch: step with every rank until no rank has a batch or one failed; returns this rank's failure."""
+    failure: BaseException | None = None
+    batches: Iterator[Any] = iter(())
+    source: Any = None
+    try:
+        source = _batches(data)
+        batches = _limit(source, num_batches)
+    except BaseException as e:  # noqa: BLE001 - voted on below
+        failure = e
+    with _progress(source, num_batches, show and failure is None) as bar:
+        while True:
+            batch, has = None, False
+            if failure is None:
+                try:
+                    batch, has = next(batches), True
+                except StopIteration:
+                    pass
+                except BaseException as e:  # noqa: BLE001 - voted on below
+                    failure = e
+            some_failed, some_batch = lockstep.vote(has, failure is not None)
+            if some_failed or not some_batch:
+                return failure
+            error = lockstep.step(functools.partial(runner.run, batch) if has else None)
+            failure = failure or error
+            if bar is not None and has:
+                bar.update(1)
 
 
 def _batches(data: Any) -> Iterable[Any]:

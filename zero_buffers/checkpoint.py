@@ -26,14 +26,15 @@ _ACCELERATOR_METHODS = ("save_state", "get_state_dict")
 def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = None, num_batches: int | None = None,
                  group: Any = None, timeout: _args.Timeout = None, progress: bool = False,
                  device: torch.device | str | None = None,
-                 forward: Callable[[nn.Module, Any], Any] | None = None) -> int:
+                 forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> int:
     """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
 
     - ``"broadcast"``: every buffer takes rank ``src``'s value (:func:`broadcast_buffers`).
     - ``"average"``: BatchNorm statistics become the exact merge of all ranks' (:func:`average_bn_stats`)
       and every other buffer takes ``src``'s value (what DDP does before each forward).
     - ``"recompute"``: BatchNorm statistics are recomputed over every rank's ``data``
-      (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``) and every
+      (:func:`recompute_bn_stats`, with ``num_batches``, ``device``, ``forward``, ``progress``,
+      ``global_batch``) and every
       other buffer takes ``src``'s value. ``data`` is iterated once; a call in which no rank had a batch
       raises :class:`RecomputeError` and changes nothing.
 
@@ -60,6 +61,7 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     src = _args.rank(src, "src", fn)
     seconds = _args.timeout(timeout, fn)
     bn_recompute.check_options(num_batches, forward)
+    global_batch = _args.flag(global_batch, "global_batch", fn)
     g = _group.resolve(group, fn)
     _group.check_src(g, src, fn)  # before any collective, whatever the policy
     inner = _modules.unwrap(model, fn)
@@ -70,13 +72,13 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     if g is None:
         if policy == "recompute" and not (_group.initialized() and group is not None):
             recompute_bn_stats(inner, data, num_batches=num_batches, progress=progress, device=device,
-                               forward=forward)
+                               forward=forward, global_batch=global_batch)
         return 0
     sums = None
     if policy == "recompute":  # the passes and their all-reduce; nothing is written before the commit below
         _structure.agree(g, (fn, policy, src, "before the passes"), _modules.named_buffers(inner), deadline, fn)
         sums = bn_recompute.population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress,
-                                            device=device, forward=forward)
+                                            device=device, forward=forward, global_batch=global_batch)
     return _commit(g, inner, policy, src, sums, deadline, fn)
 
 
@@ -199,7 +201,8 @@ _MISSING = object()
 def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any = None,
                          num_batches: int | None = None, group: Any = None, timeout: _args.Timeout = None,
                          progress: bool = False, device: torch.device | str | None = None,
-                         forward: Callable[[nn.Module, Any], Any] | None = None) -> SaveHook:
+                         forward: Callable[[nn.Module, Any], Any] | None = None,
+                         global_batch: bool = False) -> SaveHook:
     """Make every checkpoint that ``target`` writes carry synchronised buffers: :func:`sync_buffers` runs first.
 
     ``target`` is an ``accelerate.Accelerator`` or a DeepSpeed engine. Only methods that every rank must
@@ -228,7 +231,8 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
         raise InvalidArgumentError(
             "sync_buffers_on_save(): this object already has a save hook; call .remove() on it first")
     options = dict(src=src, data=data, num_batches=num_batches, group=group, timeout=timeout, progress=progress,
-                   device=device, forward=forward)
+                   device=device, forward=forward,
+                   global_batch=_args.flag(global_batch, "global_batch", "sync_buffers_on_save"))
 
     if acc_compat.is_accelerator(target):
         acc_compat.prepared_models(target)  # fail now, not at the first save, on an Accelerate without it

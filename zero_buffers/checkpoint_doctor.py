@@ -403,10 +403,11 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     file is rewritten, so ``engine.load_checkpoint`` on every rank and ``zero_to_fp32`` both see the
     repaired values; optimizer files and the rest are copied as bytes) and on folders of per-rank
     ``.pt`` / ``.bin`` / ``.safetensors`` files. Nothing is written into ``path``: the copy is built in a
-    hidden folder beside ``out`` (or beside the input with ``in_place=True``), every rewritten file is
-    re-read and checked, then it is renamed into place (``in_place`` swaps it for the input folder and
-    rolls back if the swap fails). On any failure, a full disk included, nothing is left behind and the
-    input is unchanged; :class:`CheckpointError` says what failed where.
+    hidden folder beside ``out`` (or beside the input with ``in_place=True``), after every input rank file
+    passed its CRC-32 check (``.pt`` archives); every rewritten file is re-read and checked, then the folder
+    is renamed into place (``in_place`` swaps it for the input folder and rolls back if the swap fails).
+    On any failure, a full disk included, nothing is left behind and the input is unchanged;
+    :class:`CheckpointError` says what failed where.
 
     Example::
 
@@ -424,6 +425,8 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
         raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
     target = _destination(lay, out, in_place)
+    for f in _bar(lay.files, "checking", progress):  # the copy must not carry a corrupt input along
+        _ckpt_files.check_crc(f)
     sources = _sources([lay])
     with _opened(sources, trust_pickle, progress) as views:
         names, _ = _common_names(sources, views, True)
