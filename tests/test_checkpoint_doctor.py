@@ -97,6 +97,7 @@ def doctor(*args: str) -> tuple[int, str, str]:
 
 # -- inspect: what each kind holds ------------------------------------------------------------------------------------
 
+@pytest.mark.stack
 def test_inspect_tells_each_kind_its_ranks_and_what_it_lost(ranks, kinds):
     folder, out = kinds
     world = ranks.world_size
@@ -134,6 +135,7 @@ def test_inspect_flags_untrained_batchnorm_statistics_on_the_ranks_that_hold_the
     assert zb.checkpoint_report(folder / "pt").untrained == ()
 
 
+@pytest.mark.stack
 def test_inspect_shows_which_rank_wrote_each_statistic_of_a_dcp_folder(ranks, kinds):
     """DCP keeps one copy per entry; find each entry's writer by matching it against every rank's statistics."""
     import torch.distributed.checkpoint as dcp
@@ -160,7 +162,8 @@ def test_inspect_shows_which_rank_wrote_each_statistic_of_a_dcp_folder(ranks, ki
 
 # -- diff: exactly the diverged buffers -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sub,run", [("zero3", "zero3"), ("pt", "ddp"), ("safetensors", "ddp")])
+@pytest.mark.parametrize("sub,run", [pytest.param("zero3", "zero3", marks=pytest.mark.stack), ("pt", "ddp"),
+                                     ("safetensors", "ddp")])
 def test_diff_finds_exactly_the_diverged_buffers(ranks, kinds, sub, run):
     folder, out = kinds
     pres = [o[run] for o in out]
@@ -180,6 +183,7 @@ def test_diff_finds_exactly_the_diverged_buffers(ranks, kinds, sub, run):
     assert code == 0 and "0 of 2 buffers differ" in text  # every rank ran the same number of steps
 
 
+@pytest.mark.stack
 def test_diff_json_has_one_object_per_buffer_with_the_fields_of_buffer_row(ranks, kinds):
     folder, out = kinds
     code, text, _ = doctor("diff", str(folder / "zero3"), "--json")
@@ -227,6 +231,7 @@ def _load_repaired(rank, world, folder, truth, tag_src):
     return path is not None, tag == [float(tag_src)] * 2, steps
 
 
+@pytest.mark.stack
 def test_repair_average_zero3_every_rank_loads_the_mixture_and_zero_to_fp32_agrees(ranks, kinds, tmp_path):
     folder, out = kinds
     world = ranks.world_size
@@ -245,6 +250,7 @@ def test_repair_average_zero3_every_rank_loads_the_mixture_and_zero_to_fp32_agre
     assert code == 0
 
 
+@pytest.mark.stack
 def test_a_repaired_zero3_checkpoint_recovers_the_accuracy_average_bn_stats_would_have_given(ranks, kinds, tmp_path):
     folder, _ = kinds
     world = ranks.world_size

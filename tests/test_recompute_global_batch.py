@@ -97,6 +97,7 @@ def test_every_layer_matches_one_process_running_the_same_global_batches(ranks, 
     assert worst({k: plain[k] for k in first}, {k: truth[k] for k in first}) < 1e-5
 
 
+@pytest.mark.stack
 def test_zero3_partitioned_model(ranks2):
     truth = reference(2)
     for written, got in ranks2.run(_recompute, "zero3", True, timeout=180):
