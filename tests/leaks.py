@@ -58,7 +58,7 @@ def leaked(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def clear_caches() -> None:
     """Forget zero_buffers' caches (structure digests, all-agree reports, fingerprint tables)."""
     for name, attr in (("zero_buffers._structure", "_CACHE"), ("zero_buffers.report", "_IN_SYNC"),
-                       ("zero_buffers._digest", "_TABLES")):
+                       ("zero_buffers._digest", "_TABLES"), ("zero_buffers._notice", "_SEEN")):
         module = sys.modules.get(name)
         if module is not None:
             getattr(module, attr).clear()

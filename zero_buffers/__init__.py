@@ -21,6 +21,7 @@ from .errors import (
     SyncAbortedError,
     UnsupportedDeviceError,
     ZeroBuffersError,
+    ZeroBuffersWarning,
 )
 from .frozen_replica import frozen_replica, is_frozen_replica
 from .gathered import GatheredParametersAndBuffers
@@ -49,6 +50,7 @@ __all__ = [
     "SyncAbortedError",
     "UnsupportedDeviceError",
     "ZeroBuffersError",
+    "ZeroBuffersWarning",
     "__version__",
     "assert_buffers_in_sync",
     "average_bn_stats",

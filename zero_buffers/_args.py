@@ -4,6 +4,8 @@ from __future__ import annotations
 import datetime
 import math
 import operator
+import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,7 +15,10 @@ from torch import nn
 from .errors import InvalidArgumentError, InvalidSourceRankError
 
 Timeout = float | datetime.timedelta | None
-"""Seconds (> 0), a timedelta, or None (no bound) for the whole call."""
+"""Seconds (> 0) or a timedelta for the whole call; ``float("inf")`` for no bound; None (the default) for at most
+:data:`DEFAULT_WAIT_S` seconds in each collective (``$ZERO_BUFFERS_TIMEOUT`` overrides it)."""
+
+DEFAULT_WAIT_S = 300.0
 
 # c10d adds a wait's timeout to a nanosecond steady clock, which overflows (and then "times out" at
 # once) from about 1e10 s; timeouts of this many seconds (11.6 days) or more mean no bound.
@@ -49,7 +54,8 @@ def ignore(value: Any, fn: str) -> tuple[str, ...]:
 
 
 def timeout(value: Any, fn: str) -> float | None:
-    """``value`` in seconds (None for no bound: None, inf and >= MAX_WAIT_S), else InvalidArgumentError."""
+    """``value`` in seconds (``math.inf`` for no bound: inf and >= MAX_WAIT_S; None stays None, the default
+    bound per collective), else InvalidArgumentError."""
     if value is None:
         return None
     if isinstance(value, datetime.timedelta):
@@ -61,8 +67,24 @@ def timeout(value: Any, fn: str) -> float | None:
             f"{fn}(): timeout must be seconds (a number > 0), a datetime.timedelta or None, got "
             f"{type(value).__name__} {value!r:.40}")
     if math.isnan(seconds) or seconds <= 0:
-        raise InvalidArgumentError(f"{fn}(): timeout must be > 0 seconds (None waits forever), got {value!r}")
-    return None if seconds >= MAX_WAIT_S else seconds
+        raise InvalidArgumentError(f"{fn}(): timeout must be > 0 seconds (float('inf') waits forever), got {value!r}")
+    return math.inf if seconds >= MAX_WAIT_S else seconds
+
+
+def default_wait() -> float:
+    """Seconds each collective waits under the default ``timeout=None``: ``$ZERO_BUFFERS_TIMEOUT`` (a number, or
+    ``inf``) or :data:`DEFAULT_WAIT_S`."""
+    text = os.environ.get("ZERO_BUFFERS_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_WAIT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise InvalidArgumentError(f"ZERO_BUFFERS_TIMEOUT must be seconds (a number > 0) or inf, got {text!r}") \
+            from None
+    if not seconds > 0:
+        raise InvalidArgumentError(f"ZERO_BUFFERS_TIMEOUT must be > 0, got {text!r}")
+    return math.inf if seconds >= MAX_WAIT_S else seconds
 
 
 def atol(value: Any, fn: str) -> float:
@@ -99,4 +121,15 @@ def flag(value: Any, name: str, fn: str) -> bool:
     """``value`` when it is a bool, else InvalidArgumentError."""
     if not isinstance(value, bool):
         raise InvalidArgumentError(f"{fn}(): {name} must be True or False, got {value!r}")
+    return value
+
+
+def progress(value: Any, fn: str) -> bool:
+    """Whether to draw a progress bar: ``value`` when a bool; None (every function's default) draws one only when
+    stderr is a terminal, so logs get no carriage returns."""
+    if value is None:
+        stream = sys.stderr
+        return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{fn}(): progress must be True, False or None (a terminal), got {value!r}")
     return value

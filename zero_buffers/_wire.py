@@ -7,6 +7,7 @@ issues the same collectives in the same order.
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 import time
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _args
 from ._compat import torch as torch_compat
 from ._group import Group
 from .errors import CollectiveError
@@ -24,16 +26,21 @@ BUCKET_BYTES = 250 * 2 ** 20
 
 
 class Deadline:
-    """The time left for one call: every collective it issues waits at most until ``seconds`` after the start."""
+    """The time left for one call. ``seconds``: every collective it issues waits at most until that long after the
+    start (``math.inf``: no bound). None, the default: each collective waits at most ``_args.default_wait()``
+    seconds for its peers, so a call made on some ranks only ends in a clear error instead of waiting forever."""
 
     def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self._end = None if seconds is None else time.monotonic() + seconds
+        self.default = seconds is None
+        self.seconds = _args.default_wait() if seconds is None else seconds
+        self._end = None if self.default or math.isinf(self.seconds) else time.monotonic() + self.seconds
 
     def remaining(self) -> datetime.timedelta | None:
-        """What is left (at least 1 ms), or None for no bound."""
-        if self._end is None:
+        """What the next wait may take (at least 1 ms), or None for no bound."""
+        if math.isinf(self.seconds):
             return None
+        if self._end is None:
+            return datetime.timedelta(seconds=self.seconds)
         return datetime.timedelta(seconds=max(self._end - time.monotonic(), 0.001))
 
 
@@ -47,9 +54,18 @@ def wait(works: Sequence[Any], deadline: Deadline, what: str) -> None:
             else:
                 w.wait(timeout=left)
     except RuntimeError as e:
-        timed_out = deadline.seconds is not None and "timed out" in str(e).lower()
-        cause = (f"the collective did not complete within timeout={deadline.seconds:g} s (a peer stalled, died or "
-                 f"never called {what})" if timed_out else str(e))
+        timed_out = not math.isinf(deadline.seconds) and "timed out" in str(e).lower()
+        if timed_out and deadline.default:
+            cause = (f"the other ranks did not join within {deadline.seconds:g} s (the default bound on each "
+                     f"collective): most likely they never called {what}. Every rank of the group must call it; a "
+                     "call under `if rank == 0:` / `accelerator.is_main_process` waits for peers that never come "
+                     "(a stalled or dead peer ends here too). Pass timeout= (seconds, or float('inf')) or set "
+                     "ZERO_BUFFERS_TIMEOUT to wait longer")
+        elif timed_out:
+            cause = (f"the collective did not complete within timeout={deadline.seconds:g} s (a peer stalled, died or "
+                     f"never called {what})")
+        else:
+            cause = str(e)
         raise CollectiveError(
             f"{what} failed on rank {dist.get_rank()}: {cause}. No buffer was modified; the process group may be "
             "unusable now (a peer died or stalled)") from e

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ _FN = "recompute_bn_stats"
 
 
 def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Mapping[str, Any] | Callable[[], Any],
-                       *, num_batches: int | None = None, group: Any = None, progress: bool = True,
+                       *, num_batches: int | None = None, group: Any = None, progress: bool | None = None,
                        timeout: _args.Timeout = None, device: torch.device | str | None = None,
                        forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> int:
     """Recompute every BatchNorm's running statistics from forward passes over all ranks' data, identically on each.
@@ -74,8 +75,10 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     A failure on any rank (data, forward, structure, collective) raises on every rank
     (:class:`RecomputeError`, naming each failing rank and its exception, for data/forward failures)
     and leaves every buffer unchanged; so does a call in which no rank had a batch. Without a process
-    group the statistics come from this process's data alone. A progress bar (tqdm) is shown on the
-    group's first rank when ``progress``. Returns the number of layers written.
+    group the statistics come from this process's data alone. A progress bar (tqdm, on stderr) is drawn on
+    the group's first rank only: with ``progress=None`` (the default, as everywhere in zero_buffers) when
+    stderr is a terminal, never into a log file; ``True`` / ``False`` force it. Returns the number of
+    layers written.
 
     Example::
 
@@ -110,10 +113,12 @@ Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
 
 
 def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadline: _wire.Deadline, *,
-                    num_batches: int | None = None, progress: bool = True, device: torch.device | str | None = None,
+                    num_batches: int | None = None, progress: bool | None = None,
+                    device: torch.device | str | None = None,
                     forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> Sums | None:
     """The passes and the all-reduce, with every buffer as it was afterwards (nothing is written); None when the model
     has no tracking BatchNorm. Raises RecomputeError on every rank when a rank failed or no rank had a batch."""
+    progress = _args.progress(progress, _FN)
     bns = _modules.tracking_bn(inner)
     entries = _modules.bn_stat_entries(bns)
     zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
@@ -332,7 +337,7 @@ def _progress(data: Any, num_batches: int | None, show: bool) -> Iterator[Any]:
             total = None
     if num_batches is not None:
         total = num_batches if total is None else min(total, num_batches)
-    bar = tqdm(total=total, desc=_FN, unit="batch", leave=False)
+    bar = tqdm(total=total, desc=_FN, unit="batch", leave=False, file=sys.stderr)
     try:
         yield bar
     finally:

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _structure, _transaction, _wire, bn_average, bn_recompute
+from . import _args, _group, _modules, _notice, _structure, _transaction, _wire, bn_average, bn_recompute
 from ._compat import accelerate as acc_compat
 from ._compat import deepspeed as ds_compat
 from .bn_recompute import recompute_bn_stats
@@ -19,12 +19,14 @@ from .report import assert_buffers_in_sync
 Policy = Literal["broadcast", "average", "recompute", "check"]
 POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
 
-# Accelerator methods that write a checkpoint or build the state dict one is written from, called on every rank.
-_ACCELERATOR_METHODS = ("save_state", "get_state_dict")
+# Accelerator methods that write a checkpoint or build the state dict one is written from. save_state is called on
+# every rank; get_state_dict / save_model only under ZeRO-3 (elsewhere they are often called on the main process
+# alone, where a collective would hang: they warn instead).
+_ACCELERATOR_METHODS = ("save_state", "get_state_dict", "save_model")
 
 
 def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = None, num_batches: int | None = None,
-                 group: Any = None, timeout: _args.Timeout = None, progress: bool = False,
+                 group: Any = None, timeout: _args.Timeout = None, progress: bool | None = None,
                  device: torch.device | str | None = None,
                  forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> int:
     """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
@@ -70,6 +72,8 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
         return len(report.rows) if report.checked else 0
     deadline = _wire.Deadline(seconds)
     if g is None:
+        if not _group.initialized() and policy != "recompute":
+            _notice.single_process(fn)
         if policy == "recompute" and not (_group.initialized() and group is not None):
             recompute_bn_stats(inner, data, num_batches=num_batches, progress=progress, device=device,
                                forward=forward, global_batch=global_batch)
@@ -106,7 +110,7 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
     def apply(prepared: Any) -> None:
         space, pack = prepared
         if pack is not None:
-            bn_average._write(bns, pack)
+            bn_average._write(bns, pack, g.size)
         elif sums is not None:
             bn_recompute.write(*sums)
         if not source:
@@ -200,7 +204,7 @@ _MISSING = object()
 
 def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any = None,
                          num_batches: int | None = None, group: Any = None, timeout: _args.Timeout = None,
-                         progress: bool = False, device: torch.device | str | None = None,
+                         progress: bool | None = None, device: torch.device | str | None = None,
                          forward: Callable[[nn.Module, Any], Any] | None = None,
                          global_batch: bool = False) -> SaveHook:
     """Make every checkpoint that ``target`` writes carry synchronised buffers: :func:`sync_buffers` runs first.
@@ -210,9 +214,10 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
 
     - Accelerator: ``save_state`` (DDP, DeepSpeed and single-process paths; every prepared model is
       synced before anything is written, which Accelerate's save-state "pre" hooks cannot do: they run
-      after the DeepSpeed save) and ``get_state_dict`` for ZeRO-3 engines (hence ``save_model`` under
-      ZeRO-3). On the DDP path ``get_state_dict`` / ``save_model`` are often called on the main process
-      only: call :func:`sync_buffers` before them yourself.
+      after the DeepSpeed save) and ``get_state_dict`` / ``save_model`` for ZeRO-3 engines. On the DDP
+      path ``get_state_dict`` / ``save_model`` are often called on the main process only, where a sync
+      would hang: they warn (:class:`ZeroBuffersWarning`, once per process) that they write this rank's
+      buffers; call :func:`sync_buffers` on every rank before them.
     - DeepSpeed engine: ``save_checkpoint`` (under ZeRO-3 each rank writes its own buffers; now they are
       equal, so ``load_checkpoint`` and ``zero_to_fp32``, which reads rank 0's file, agree),
       ``save_16bit_model`` and ``_zero3_consolidated_16bit_state_dict`` (rank 0's buffers).
@@ -241,10 +246,17 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
             if name == "save_state":
                 for model in acc_compat.prepared_models(acc):
                     sync_buffers(model, policy, **options)
-            else:  # get_state_dict(model, ...): collective only when the model is a ZeRO-3 engine
+            else:  # get_state_dict / save_model(model, ...): collective only when the model is a ZeRO-3 engine
                 model = args[0] if args else kwargs.get("model")
                 if model is not None and ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model):
                     sync_buffers(model, policy, **options)
+                else:
+                    _notice.warn(
+                        f"accelerator.{name}() writes the model's buffers as this rank holds them (rank 0's "
+                        f"statistics on the main process): the {policy!r} save hook does not sync here, because "
+                        f"{name} is often called on the main process alone, where a collective would hang. Call "
+                        f"zero_buffers.sync_buffers(model, {policy!r}) on every rank first, or use "
+                        "accelerator.save_state(), which the hook covers.", once=f"accelerate.{name}", stacklevel=4)
         return SaveHook(target, _ACCELERATOR_METHODS, sync_accelerator)
 
     if ds_compat.is_engine(target):

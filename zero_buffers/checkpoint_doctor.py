@@ -81,12 +81,7 @@ class CheckpointReport:
 
     def table(self, full: bool = False) -> str:
         """The per-buffer table ``buffer_report`` prints; short (the differing rows) for more than 40 buffers."""
-        short = not full and len(self.report.rows) > 40
-        text = self.report.format(only_out_of_sync=short, head=self.verdict())
-        if short:
-            hidden = len(self.report.rows) - len(self.report.out_of_sync)
-            text += f"\n({hidden} buffers in sync not shown; --all shows every row)"
-        return text
+        return self.report.format(head=self.verdict(), full=full).replace("format(full=True)", "--all")
 
     def format(self, full: bool = False) -> str:
         """What ``zero-buffers inspect`` prints."""

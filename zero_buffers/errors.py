@@ -8,6 +8,12 @@ class ZeroBuffersError(RuntimeError):
     """Root of every error zero_buffers raises on purpose."""
 
 
+class ZeroBuffersWarning(UserWarning):
+    """A call did what was asked but probably not what was meant (a no-op in one process, an average of identical
+    statistics, a save the hooks cannot cover). Filter with ``warnings.filterwarnings("ignore",
+    category=zero_buffers.ZeroBuffersWarning)``."""
+
+
 class InvalidArgumentError(ZeroBuffersError, TypeError):
     """An argument has the wrong type or value (not a module, a bad ``src``, a meta tensor ...)."""
 

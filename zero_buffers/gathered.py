@@ -6,6 +6,7 @@ all or nothing). The public class resolves the arguments and hands over to one o
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -107,7 +108,8 @@ class _ReadOnly:
             entries = _modules.named_buffers(self.box)
             _structure.agree(self.g, (_FN, "enter", None), _zero_specs(zero) + entries, deadline, _FN)
             if self.check:
-                assert_buffers_in_sync(self.box, group=self.g.pg, atol=self.atol, timeout=deadline.remaining())
+                assert_buffers_in_sync(self.box, group=self.g.pg, atol=self.atol,
+                                       timeout=deadline.remaining() or math.inf)
         if self.gather is not None:
             self.gather.__enter__()
 

@@ -12,6 +12,8 @@ from torch import nn
 from . import _args, _compare, _digest, _group, _modules, _structure, _transaction, _wire
 from .errors import BuffersOutOfSyncError
 
+SHORT_ROWS = 40  # above this many buffers, a report prints its differing rows only unless asked for every row
+
 
 @dataclass(frozen=True)
 class BufferRow:
@@ -53,10 +55,13 @@ class BufferReport:
     def __str__(self) -> str:
         return self.format()
 
-    def format(self, only_out_of_sync: bool = False, limit: int | None = None, head: str | None = None) -> str:
+    def format(self, only_out_of_sync: bool = False, limit: int | None = None, head: str | None = None,
+               full: bool = False) -> str:
         """A plain-text table (``limit`` rows at most) under ``head`` (default: the verdict across ranks); columns
-        fit the longest name."""
-        rows = self.out_of_sync if only_out_of_sync else list(self.rows)
+        fit the longest name. Short by default for more than :data:`SHORT_ROWS` buffers: the differing rows and
+        a count of the others; ``full=True`` prints every row."""
+        short = not full and not only_out_of_sync and len(self.rows) > SHORT_ROWS
+        rows = self.out_of_sync if only_out_of_sync or short else list(self.rows)
         default = (f"{len(self.out_of_sync)} of {len(self.rows)} buffers differ across ranks {list(self.ranks)} "
                    f"(reference rank {self.reference_rank}, atol={self.atol:g})")
         if not self.checked:
@@ -76,6 +81,8 @@ class BufferReport:
         lines = [head, line(titles), *(line(c) for c in cells)]
         if len(shown) < len(rows):
             lines.append(f"... and {len(rows) - len(shown)} more")
+        if short:
+            lines.append(f"({len(self.rows) - len(rows)} buffers in sync not shown; format(full=True) shows every row)")
         return "\n".join(lines)
 
 
