@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real")
+SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real", "recompute_modes")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -447,6 +447,95 @@ def bench_memory(ctx: dict) -> list[dict]:
     return rows
 
 
+def layer_by_layer(model: nn.Module, data: list[torch.Tensor]) -> int:
+    """The exact variant, not shipped: each BatchNorm layer in turn gets the population statistics of its input
+    over every rank's batches while every layer before it normalises by its own (already final) population
+    statistics, as in eval. One pass over the data per layer; one all-reduce per layer. Returns the passes."""
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    order: list[nn.Module] = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: order.append(m) if m not in order else None) for m in bns]
+    model.eval()
+    with torch.no_grad():
+        model(data[0][:1])
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        for layer in order:
+            c = layer.num_features
+            sums = torch.zeros(1 + 2 * c, dtype=torch.float64)
+
+            def collect(m: nn.Module, a: tuple) -> None:
+                x = a[0].double()
+                dims = [0, 2, 3]
+                sums[0] += x.numel() // c
+                sums[1:1 + c] += x.sum(dims)
+                sums[1 + c:] += (x * x).sum(dims)
+            h = layer.register_forward_pre_hook(collect)
+            for x in data:
+                model(x)
+            h.remove()
+            dist.all_reduce(sums)
+            n = float(sums[0])
+            mean = sums[1:1 + c] / n
+            layer.running_mean.copy_(mean.float())
+            layer.running_var.copy_(((sums[1 + c:] - n * mean * mean) / (n - 1)).float())
+    return len(order)
+
+
+def bench_recompute_modes(ctx: dict) -> list[dict]:
+    """Section 9: recompute modes side by side on transformers' ResNet-34 (site-shifted batches per rank): plain
+    train-mode forward passes (the floor), recompute_bn_stats, recompute_bn_stats(global_batch=True), and the
+    layer-by-layer exact variant (one pass per BatchNorm layer, in the benchmark only)."""
+    from transformers import ResNetConfig, ResNetModel
+
+    import zero_buffers as zb
+
+    widths = [16, 32, 64, 128] if ctx["quick"] else [64, 128, 256, 512]
+    torch.manual_seed(0)
+    model = ResNetModel(ResNetConfig(embedding_size=widths[0], hidden_sizes=widths, depths=[3, 4, 6, 3],
+                                     layer_type="basic")).to(ctx["device"])
+    g = torch.Generator().manual_seed(ctx["rank"])
+    gain, offset = 0.9 + 0.3 * torch.rand(3, 1, 1, generator=g), 1.2 * torch.rand(3, 1, 1, generator=g) - 0.6
+    n_batches = 2 if ctx["quick"] else 4
+    data = [(torch.randn(16, 3, 32, 32, generator=g) * gain + offset).to(ctx["device"]) for _ in range(n_batches)]
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def plain() -> None:
+        model.train()
+        with torch.no_grad():
+            for x in data:
+                model(x)
+
+    results: dict[str, dict[str, torch.Tensor]] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> Callable[[], None]:
+        def call() -> None:
+            model.load_state_dict(start)
+            fn()
+            results[name] = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k}
+        return call
+
+    passes: list[int] = []
+    methods = {"plain forward passes": run("plain", plain),
+               "recompute_bn_stats": run("per_rank", lambda: zb.recompute_bn_stats(model, data, progress=False)),
+               "recompute_bn_stats(global_batch=True)": run("global", lambda: zb.recompute_bn_stats(
+                   model, data, progress=False, global_batch=True)),
+               "layer by layer (not shipped)": run("layer", lambda: passes.append(layer_by_layer(model, data)))}
+    t = timed_together(methods, max(1, ctx["repeats"] // 4), ctx["device"])
+
+    def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        return max(float((a[k].double() - b[k].double()).abs().max() / b[k].double().abs().max()) for k in b)
+
+    floor = t["plain forward passes"]
+    rows = [{"method": m, "seconds": v, "ratio_to_plain_passes": v / floor} for m, v in t.items()]
+    rows.append({"method": "passes over the data", "layer_by_layer": passes[-1], "recompute": 1, "global_batch": 1,
+                 "max_rel_diff_global_vs_layer_by_layer": rel(results["global"], results["layer"]),
+                 "max_rel_diff_per_rank_vs_layer_by_layer": rel(results["per_rank"], results["layer"])})
+    summary = ", ".join(f"{r['method']} {r['ratio_to_plain_passes']:.2f}x" for r in rows[:-1])
+    ctx["log"](f"recompute modes: {summary}; layer by layer: {passes[-1]} passes")
+    return rows
+
+
 def bench_frozen_real(ctx: dict) -> list[dict]:
     """Section 8: the per-forward cost of frozen_replica on real transformers models against the same model as a
     plain module under no_grad (the replica's no_grad wrapper, class swap and parameters() override)."""
@@ -503,7 +592,7 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
            "repeats": 3 if args.quick else args.repeats}
     funcs = {"broadcast": bench_broadcast, "check": bench_check, "frozen": bench_frozen, "bn": bench_bn,
              "scaling": bench_scaling, "report_diff": bench_report_diff, "memory": bench_memory,
-             "frozen_real": bench_frozen_real}
+             "frozen_real": bench_frozen_real, "recompute_modes": bench_recompute_modes}
     results = {}
     for section in args.only:
         log(f"section {section} ...")
@@ -578,7 +667,9 @@ def markdown(all_results: list[dict], meta: dict) -> str:
                 cells = []
                 for k in keys:
                     v = r.get(k, "")
-                    if isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
+                    if isinstance(v, float) and "rel_diff" in k:
+                        cells.append(f"{v:.2e}")
+                    elif isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
                         cells.append(f"{v:.2f}x")
                     elif isinstance(v, float) and "MB" in k:
                         cells.append(f"{v:.0f} MiB")

@@ -116,7 +116,7 @@ CASES: dict[str, tuple] = {
     "atol=bool": ("atol", _model, {"atol": True}, zb.InvalidArgumentError, r"^{fn}\(\): atol must be a number >= 0"),
     "atol=None": ("atol", _model, {"atol": None}, zb.InvalidArgumentError, r"^{fn}\(\): atol must be a number >= 0"),
     "timeout=0": ("timeout", _model, {"timeout": 0}, zb.InvalidArgumentError,
-                  r"^{fn}\(\): timeout must be > 0 seconds \(None waits forever\), got 0$"),
+                  r"^{fn}\(\): timeout must be > 0 seconds \(float\('inf'\) waits forever\), got 0$"),
     "timeout=-1": ("timeout", _model, {"timeout": -1}, zb.InvalidArgumentError,
                    r"^{fn}\(\): timeout must be > 0 seconds"),
     "timeout=nan": ("timeout", _model, {"timeout": math.nan}, zb.InvalidArgumentError,
@@ -427,9 +427,10 @@ def test_edge_values_that_are_valid_are_accepted(ranks2):
         assert bitwise_equal(o[4], rank1) and bitwise_equal(o[5], rank1)  # src=1 in either spelling: rank 1's values
 
 
-def test_timeout_normalises_to_seconds_or_none():
-    assert _args.timeout(None, "f") is None and _args.timeout(math.inf, "f") is None
-    assert _args.timeout(1e10, "f") is None  # beyond what c10d's clock can add: wait without a limit
+def test_timeout_normalises_to_seconds_inf_or_the_default():
+    assert _args.timeout(None, "f") is None  # the default: a bound per collective (tests/test_traps.py)
+    assert _args.timeout(math.inf, "f") == math.inf
+    assert _args.timeout(1e10, "f") == math.inf  # beyond what c10d's clock can add: wait without a limit
     assert _args.timeout(2, "f") == 2.0 and isinstance(_args.timeout(2, "f"), float)
     assert _args.timeout(datetime.timedelta(seconds=3), "f") == 3.0
     assert _args.timeout(0.25, "f") == 0.25

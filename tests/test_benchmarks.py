@@ -21,7 +21,11 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     run = data["runs"][0]
     assert run["world"] == 2 and data["meta"]["quick"] is True
     results = run["results"]
-    assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real"}
+    assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real",
+                            "recompute_modes"}
+    modes = {r["method"]: r for r in results["recompute_modes"]}
+    assert {"plain forward passes", "recompute_bn_stats", "recompute_bn_stats(global_batch=True)",
+            "layer by layer (not shipped)"} < set(modes) and modes["passes over the data"]["layer_by_layer"] == 36
     methods = {"per_buffer_loop", "torch_broadcast_coalesced", "zero_buffers.broadcast_buffers", "raw_flat_broadcast"}
     for row in results["broadcast"]:
         assert methods <= row.keys() and all(row[m] > 0 for m in methods) and row["bytes"] > 0

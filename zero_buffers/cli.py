@@ -56,13 +56,16 @@ def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
 
 
-def run_one(path: Path, nproc: int, backend: str, timeout: float, launcher: str = "torchrun") -> tuple[int, float]:
+def run_one(path: Path, nproc: int, backend: str, timeout: float, launcher: str = "torchrun",
+            quick: bool = False) -> tuple[int, float]:
     """Run one script on ``nproc`` local ranks; returns (exit code, seconds).
 
     The launcher runs in its own session; on timeout (exit code 124), Ctrl-C or exit, its process group and
     every rank it started (torchrun gives each rank a session of its own) are killed.
     """
     env = dict(os.environ, ZB_BACKEND=backend, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if quick:
+        env["ZB_QUICK"] = "1"
     cmd = launch_command(path, nproc, launcher)
     started = time.monotonic()
     try:
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
     rp.add_argument("--timeout", type=float, default=900,
                     help="seconds per script, then it and all its ranks are killed (default 900)")
+    rp.add_argument("--quick", action="store_true",
+                    help="a smaller run where a script offers one (ddp_bn_checkpoint: a quarter of ResNet-34's width)")
     _doctor_parsers(sub)
     args = parser.parse_args(argv)
     if args.command in ("inspect", "diff", "repair"):
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher {args.launcher}",
               flush=True)
-        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout, args.launcher)
+        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout, args.launcher, args.quick)
         summary.append((name, code, seconds))
     print("\n=== summary")
     for name, code, seconds in summary:
