@@ -31,8 +31,6 @@ def test_resnet34_repro_quick_global_batch_recompute_reaches_the_oracle_and_aver
         assert fix[0] == "FIX" and fix[-1] == "yes"
         assert abs(float(fix[3]) - oracle) <= 2 and float(fix[3]) >= default + 5
         assert oracle >= default + 5  # the default checkpoint (rank 0's statistics) clearly loses accuracy
-    own = ("distributed eval during training (own site, the statistics each rank holds)", "False")
-    assert acc[own] > acc[("oracle: population statistics (all data, one train-mode batch)", "False")]
     same = rows[("average_bn_stats / sync_buffers_on_save(acc, 'average')", "True")]
     assert same[0] == "SAME" and same[-1] == "yes" and "warned: nothing to merge" in out.stdout
     assert acc[("average_bn_stats / sync_buffers_on_save(acc, 'average')", "True")] == \
