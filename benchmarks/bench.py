@@ -721,7 +721,30 @@ def plot(all_results: list[dict], path: Path) -> bool:
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plot_recompute_modes(all_results, path.with_name("recompute_modes.png"), plt)
     return True
+
+
+def plot_recompute_modes(all_results: list[dict], path: Path, plt: Any) -> None:
+    """recompute_modes.png: each recompute mode's time over plain forward passes, per world size."""
+    runs = [(res["world"], [r for r in res["results"].get("recompute_modes", []) if "seconds" in r])
+            for res in all_results]
+    runs = [(w, rows) for w, rows in runs if rows]
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    methods = [r["method"] for r in runs[0][1]]
+    width = 0.8 / len(runs)
+    for i, (world, rows) in enumerate(runs):
+        ratio = {r["method"]: r["ratio_to_plain_passes"] for r in rows}
+        ax.bar([j + i * width for j in range(len(methods))], [ratio[m] for m in methods], width,
+               label=f"world {world}")
+    ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(methods))], methods, fontsize=8,
+                  rotation=10)
+    ax.set(yscale="log", ylabel="time / plain forward passes", title="BatchNorm recompute modes on ResNet-34")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

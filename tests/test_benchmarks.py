@@ -40,6 +40,7 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "## world size 2" in md and "### broadcast" in md and "quick mode" in md
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "recompute_modes.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_quick_doctor_benchmark_checks_every_method_and_writes_its_outputs(tmp_path):

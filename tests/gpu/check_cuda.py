@@ -61,6 +61,11 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     everyone = [torch.empty_like(stats) for _ in range(world)]
     dist.all_gather(everyone, stats)
     check("recompute_bn_stats on CUDA: identical on every rank", all(torch.equal(s, everyone[0]) for s in everyone))
+    zb.recompute_bn_stats(model, data[:1 + rank], progress=False, global_batch=True)  # uneven: lockstep on CUDA
+    stats = model[1].running_var.cpu()
+    dist.all_gather(everyone, stats)
+    check("recompute_bn_stats(global_batch=True) on CUDA: identical on every rank",
+          all(torch.equal(s, everyone[0]) for s in everyone))
     with torch.no_grad():
         model[1].running_mean.add_(rank)
     zb.average_bn_stats(model)
