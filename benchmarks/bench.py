@@ -447,45 +447,22 @@ def bench_memory(ctx: dict) -> list[dict]:
     return rows
 
 
-def layer_by_layer(model: nn.Module, data: list[torch.Tensor]) -> int:
-    """The exact variant, not shipped: each BatchNorm layer in turn gets the population statistics of its input
-    over every rank's batches while every layer before it normalises by its own (already final) population
-    statistics, as in eval. One pass over the data per layer; one all-reduce per layer. Returns the passes."""
-    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    order: list[nn.Module] = []
-    hooks = [m.register_forward_pre_hook(lambda m, a: order.append(m) if m not in order else None) for m in bns]
-    model.eval()
-    with torch.no_grad():
-        model(data[0][:1])
-    for h in hooks:
-        h.remove()
-    with torch.no_grad():
-        for layer in order:
-            c = layer.num_features
-            sums = torch.zeros(1 + 2 * c, dtype=torch.float64)
+def repro_module(name: str) -> Any:
+    """A repro script shipped in zero_buffers/repro/ (which imports its ``_common`` as a sibling), as a module."""
+    import importlib
 
-            def collect(m: nn.Module, a: tuple) -> None:
-                x = a[0].double()
-                dims = [0, 2, 3]
-                sums[0] += x.numel() // c
-                sums[1:1 + c] += x.sum(dims)
-                sums[1 + c:] += (x * x).sum(dims)
-            h = layer.register_forward_pre_hook(collect)
-            for x in data:
-                model(x)
-            h.remove()
-            dist.all_reduce(sums)
-            n = float(sums[0])
-            mean = sums[1:1 + c] / n
-            layer.running_mean.copy_(mean.float())
-            layer.running_var.copy_(((sums[1 + c:] - n * mean * mean) / (n - 1)).float())
-    return len(order)
+    import zero_buffers
+
+    folder = str(Path(zero_buffers.__file__).resolve().parent / "repro")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
 
 
 def bench_recompute_modes(ctx: dict) -> list[dict]:
     """Section 9: recompute modes side by side on transformers' ResNet-34 (site-shifted batches per rank): plain
     train-mode forward passes (the floor), recompute_bn_stats, recompute_bn_stats(global_batch=True), and the
-    layer-by-layer exact variant (one pass per BatchNorm layer, in the benchmark only)."""
+    layer-by-layer exact variant (one pass per BatchNorm layer; the repro's implementation, not shipped)."""
     from transformers import ResNetConfig, ResNetModel
 
     import zero_buffers as zb
@@ -499,6 +476,8 @@ def bench_recompute_modes(ctx: dict) -> list[dict]:
     n_batches = 2 if ctx["quick"] else 4
     data = [(torch.randn(16, 3, 32, 32, generator=g) * gain + offset).to(ctx["device"]) for _ in range(n_batches)]
     start = {k: v.clone() for k, v in model.state_dict().items()}
+    exact = repro_module("ddp_bn_checkpoint").layer_by_layer
+    layers = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
 
     def plain() -> None:
         model.train()
@@ -520,7 +499,7 @@ def bench_recompute_modes(ctx: dict) -> list[dict]:
                "recompute_bn_stats": run("per_rank", lambda: zb.recompute_bn_stats(model, data, progress=False)),
                "recompute_bn_stats(global_batch=True)": run("global", lambda: zb.recompute_bn_stats(
                    model, data, progress=False, global_batch=True)),
-               "layer by layer (not shipped)": run("layer", lambda: passes.append(layer_by_layer(model, data)))}
+               "layer by layer (not shipped)": run("layer", lambda: (exact(model, data), passes.append(layers)))}
     t = timed_together(methods, max(1, ctx["repeats"] // 4), ctx["device"])
 
     def rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

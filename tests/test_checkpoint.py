@@ -13,19 +13,9 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
+from tests.ckpt_kinds import Tag  # identity with a non-BatchNorm buffer (a step counter, a codebook ...)
 
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
-
-
-class Tag(nn.Module):
-    """Identity with a non-BatchNorm buffer (a step counter, a codebook ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("tag", torch.zeros(2))
-
-    def forward(self, x):
-        return x
 
 
 def make_net() -> nn.Module:
