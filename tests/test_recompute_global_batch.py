@@ -163,6 +163,28 @@ def test_ranks_that_cannot_step_together_raise_the_same_error_everywhere(ranks, 
     assert all(unchanged for _, unchanged in out)
 
 
+def first_bn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4))
+
+
+def _first_bn(rank, world):
+    model = first_bn()
+    zb.recompute_bn_stats(model, shard(rank, counts(world)[rank]), global_batch=True, progress=False)
+    return stats(model)
+
+
+def test_a_model_whose_first_layer_is_batchnorm_gets_the_statistics_of_all_data_there(ranks):
+    world = ranks.world_size
+    everything = torch.cat([x for r, n in enumerate(counts(world)) for x in shard(r, n)]).double()
+    truth = reference(world, make=first_bn)
+    for got in ranks.run(_first_bn, timeout=60):
+        torch.testing.assert_close(got["0.running_mean"].double(), everything.mean((0, 2, 3)), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["0.running_var"].double(), everything.transpose(0, 1).reshape(3, -1).var(1),
+                                   rtol=1e-5, atol=1e-6)
+        assert worst(got, truth) < 1e-5  # and the layer after it, against one process on the same global batches
+
+
 def test_global_batch_must_be_a_bool():
     with pytest.raises(zb.InvalidArgumentError, match="global_batch"):
         zb.recompute_bn_stats(nn.BatchNorm1d(2), [torch.randn(3, 2)], global_batch="yes")

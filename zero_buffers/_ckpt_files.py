@@ -196,11 +196,13 @@ def _accelerate(folder: Path) -> Layout:
     if not models:
         raise CheckpointError(f"{folder}: an Accelerate save_state folder without model.safetensors or "
                               "pytorch_model.bin", str(folder))
-    files = tuple(StateFile(f, f.name, None, "safetensors" if f.suffix == ".safetensors" else "torch")
-                  for f in models)
-    return Layout("Accelerate save_state", folder, folder, files, False, None,
-                  ("the model was written by the main process only: it holds rank 0's buffers, the other ranks' "
-                   "were never written",))
+    first = models[0]  # model_1.safetensors ... are other prepared models (an EMA copy ...), not copies of this one
+    others = f"; other prepared models, read them by path: {', '.join(f.name for f in models[1:])}" if models[1:] \
+        else ""
+    return Layout("Accelerate save_state", folder, folder,
+                  (StateFile(first, first.name, None, "safetensors" if first.suffix == ".safetensors" else "torch"),),
+                  False, None, ("the model was written by the main process only: it holds rank 0's buffers, the other "
+                                f"ranks' were never written{others}",))
 
 
 def _folder(folder: Path) -> Layout:
@@ -284,13 +286,13 @@ def _state_dict(obj: Any, sf: StateFile) -> tuple[Mapping[str, Any], tuple[str, 
         if not isinstance(inner, Mapping):
             raise CheckpointError(f"{sf.path}: no {sf.inner!r} state dict inside", str(sf.path))
         return inner, tuple(names) if isinstance(names, list) else None
-    if any(torch.is_tensor(v) for v in obj.values()):
-        return obj, None
-    for key in ("state_dict", "module", "model"):  # Lightning, DeepSpeed, common training scripts
-        inner = obj.get(key)
+    for key in ("state_dict", "module", "model", "model_state_dict"):  # Lightning, DeepSpeed, training scripts
+        inner = obj.get(key)  # first: {"model": sd, "rng": torch.get_rng_state()} is a checkpoint, not a state dict
         if isinstance(inner, Mapping) and any(torch.is_tensor(v) for v in inner.values()):
             names = obj.get("buffer_names")
             return inner, tuple(names) if key == "module" and isinstance(names, list) else None
+    if any(torch.is_tensor(v) for v in obj.values()):
+        return obj, None
     raise CheckpointError(f"{sf.path}: holds no tensors (keys: {', '.join(map(str, list(obj)[:8]))})", str(sf.path))
 
 

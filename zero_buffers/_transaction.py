@@ -88,10 +88,10 @@ def abort_if_any(g: Group, statuses: Sequence[int], failure: Failure, deadline: 
 def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Deadline, what: str, *,
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
            failure: Failure = None, unchanged: str = "nothing was changed",
-           step: str = "a rank could not take part", digest: int | None = None) -> None:
+           step: str = "a rank could not take part", digest: int | None = None, extra: int = 0) -> list[int]:
     """Run steps 1-5 (module docstring) over ``entries``: ``prepare()`` allocates, ``exchange(space)`` issues
     the collectives, ``apply(space)`` writes. ``failure`` aborts on every rank after the structure check, with
-    ``step`` saying what failed."""
+    ``step`` saying what failed. ``extra`` rides along the first collective; returns every member's."""
     problem = unsendable(g, entries, what)
     space = None
     if failure is None and problem is None:
@@ -99,7 +99,8 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
             space = prepare()
         except BaseException as e:  # noqa: BLE001 - a vote; re-raised on every rank below
             failure = e
-    votes = _structure.agree(g, call, entries, deadline, what, status=int(failure is not None), known=digest)
+    votes = _structure.agree(g, call, entries, deadline, what, status=int(failure is not None), known=digest,
+                             extra=extra)
     if problem is not None:
         raise problem
     abort_if_any(g, [s for s, _ in votes], failure, deadline, what, step, unchanged)
@@ -112,6 +113,7 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
     received = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
     abort_if_any(g, received, failure, deadline, what, "receiving failed", unchanged)
     apply(space)
+    return [e for _, e in votes]
 
 
 def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadline: _wire.Deadline, what: str, *,

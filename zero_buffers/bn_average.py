@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _notice, _transaction, _wire
+from . import _args, _digest, _group, _modules, _notice, _transaction, _wire
 
 
 def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Timeout = None) -> int:
@@ -56,10 +56,22 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
         _wire.all_reduce(g, sums, deadline, fn)
 
     def apply(sums: torch.Tensor) -> None:
-        merged.append(_write(bns, sums, g.size))
+        merged.append(_write(bns, sums))
 
-    _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply)
+    contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply,
+                                   extra=_digest.combined([t for _, t in entries]) if entries else 0)
+    if merged[0] and len(set(contents)) == 1:
+        warn_identical(fn)
     return merged[0]
+
+
+def warn_identical(fn: str) -> None:
+    """Every rank held bitwise the same statistics (decided from every rank's digest, so every rank warns)."""
+    _notice.warn(f"{fn}: every rank already held the same BatchNorm statistics (DDP's default broadcast_buffers=True "
+                 "copies rank 0's into every rank before each forward, a distributed eval included), so the merge "
+                 "changed nothing but the counters: these are one rank's statistics, not those of all ranks' data. "
+                 "Recompute them instead: recompute_bn_stats(model, loader, global_batch=True), or the 'recompute' "
+                 "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4)
 
 
 def _pack(bns: list[_modules.BatchNorm], device: torch.device) -> torch.Tensor:
@@ -81,16 +93,14 @@ def _pack(bns: list[_modules.BatchNorm], device: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
-    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count. Warns
-    when every rank already held the same statistics (the merge then changes nothing but the counters)."""
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor) -> int:
+    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count."""
     offsets, offset = [], 0
     for bn in bns:
         offsets.append(offset)
         offset += 1 + 2 * bn.mean.numel()
     totals = sums[offsets].cpu().tolist() if bns else []  # one device-to-host copy
     merged = 0
-    identical = True
     with torch.no_grad():
         for bn, start, total in zip(bns, offsets, totals):
             if total <= 0:
@@ -98,21 +108,10 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int
             c = bn.mean.numel()
             mean = sums[start + 1:start + 1 + c] / total
             var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
-            identical = identical and _same(mean, bn.mean) and _same(var, bn.var)
             bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
             bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
             if bn.count is not None:
                 bn.count.fill_(round(total))
             merged += 1
-    if merged and identical and world > 1:
-        _notice.warn("average_bn_stats: every rank already held the same BatchNorm statistics (DDP's default "
-                     "broadcast_buffers=True copies rank 0's into every rank before each forward), so the merge "
-                     "changed nothing but the counters: these are one rank's statistics, not those of all ranks' "
-                     "data. Recompute them instead: recompute_bn_stats(model, loader), or the 'recompute' policy "
-                     "of sync_buffers / sync_buffers_on_save.", stacklevel=5)
     return merged
 
-
-def _same(merged: torch.Tensor, current: torch.Tensor) -> bool:
-    """Whether the merged value (float64) is this rank's own, to float precision."""
-    return bool(torch.allclose(merged, current.detach().to(merged.device, torch.float64), rtol=1e-6, atol=1e-9))

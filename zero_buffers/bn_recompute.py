@@ -52,7 +52,9 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     its input, where that input was computed with every earlier BatchNorm normalising by its step's
     global batch: right at every layer, not only the first, when the ranks' data differ. It costs one
     all-reduce per BatchNorm call (a few KiB) and one per step; forwards must call the same layers in
-    the same order on every rank (a difference raises :class:`RecomputeError` everywhere).
+    the same order on every rank (a difference raises :class:`RecomputeError` everywhere). BatchNorm
+    layers that track no running statistics (``track_running_stats=False``) keep normalising by this
+    rank's batch, as they would in any forward.
 
     ``data``: an iterable of batches, a callable returning a fresh one, or one tensor or mapping (a
     single batch). A tensor is passed as ``model(x)``, a tuple or list as ``model(batch[0])``
@@ -186,7 +188,12 @@ def _run_in_lockstep(lockstep: _global_bn.Lockstep, runner: _Runner, data: Any, 
         batches = _limit(source, num_batches)
     except BaseException as e:  # noqa: BLE001 - voted on below
         failure = e
-    with _progress(source, num_batches, show and failure is None) as bar:
+    with contextlib.ExitStack() as stack:
+        bar = None
+        try:  # a bar that cannot be drawn is this rank's failure, voted on like any other
+            bar = stack.enter_context(_progress(source, num_batches, show and failure is None))
+        except BaseException as e:  # noqa: BLE001 - voted on below
+            failure = failure or e
         while True:
             batch, has = None, False
             if failure is None:

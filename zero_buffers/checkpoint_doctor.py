@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_files, _compare
+from . import _ckpt_files, _compare, _notice
 from .errors import CheckpointError, InvalidArgumentError
 from .report import BufferReport, BufferRow
 
@@ -81,7 +81,7 @@ class CheckpointReport:
 
     def table(self, full: bool = False) -> str:
         """The per-buffer table ``buffer_report`` prints; short (the differing rows) for more than 40 buffers."""
-        return self.report.format(head=self.verdict(), full=full).replace("format(full=True)", "--all")
+        return self.report.format(head=self.verdict(), full=full)
 
     def format(self, full: bool = False) -> str:
         """What ``zero-buffers inspect`` prints."""
@@ -272,8 +272,8 @@ def _kind_of(name: str) -> str:
 
 
 def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only: Iterable[str] = (),
-                      tag: str | None = None, trust_pickle: bool = False, progress: bool | None = None
-                      ) -> CheckpointReport:
+                      tag: str | None = None, trust_pickle: bool = False, progress: bool | None = None,
+                      verify: bool | None = None) -> CheckpointReport:
     """Compare every buffer across the ranks of one checkpoint, or across several files, offline.
 
     ``path`` may be a DeepSpeed folder (its ``latest`` tag, or ``tag``), a tag folder, a folder of per-rank
@@ -285,8 +285,11 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     entries are buffers, and weights that differ across ranks are worth knowing about too.
     A buffer is in sync when bitwise identical (``atol == 0``) or within ``atol`` of the reference. ``only``
     keeps the names matching any of these globs. Files are never unpickled beyond tensors unless
-    ``trust_pickle``. Raises :class:`CheckpointError` (naming the file) for what cannot be read, missing
-    or extra rank files, or ranks whose buffers differ in name, dtype or shape.
+    ``trust_pickle`` (which warns). ``verify`` checks each ``.pt`` archive's CRC-32 first, so corrupt data
+    is an error rather than a difference (None: files up to 256 MiB, the larger ones are not read whole).
+    Raises :class:`CheckpointError` (naming the file) for what cannot be read, missing or extra rank files,
+    or ranks whose buffers differ in name, dtype or shape. Per-rank files record no world size: a missing
+    last rank cannot be told from a smaller run.
 
     Example::
 
@@ -295,8 +298,13 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     """
     atol = _atol(atol)
     patterns = _patterns(only)
+    _trust(trust_pickle)
     layouts = [_ckpt_files.locate(p, tag) for p in (path, *more)]
     sources = _sources(layouts)
+    for s in sources:
+        if verify or (verify is None and s.file.format == "torch" and s.file.path.is_file()
+                      and s.file.path.stat().st_size <= _VERIFY_BYTES):
+            _ckpt_files.check_crc(s.file)
     same = len(layouts) == 1 and layouts[0].per_rank
     warnings: list[str] = []
     with _opened(sources, trust_pickle, progress) as views:
@@ -310,7 +318,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         layers = _bn_layers(names)
         fresh = {p: tuple(i for i, v in enumerate(views) if _untrained(v, p, c)) for p, c in layers.items()}
         rows = []
-        for name in _bar(names, "comparing", progress and len(names) > 50):
+        for name in _bar(names, "comparing", progress is True and len(names) > 50):
             tensors = [v.get(name) for v in views]
             bad, worst, rel = _compare_one(tensors, atol)
             layer = next((name.removesuffix(s) for s in _STATS if name.endswith(s)), None)
@@ -366,6 +374,15 @@ def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool]
     return out
 
 
+_VERIFY_BYTES = 256 * 2 ** 20
+
+
+def _trust(trust_pickle: bool) -> None:
+    if trust_pickle:
+        _notice.warn("trust_pickle=True: unpickling the Python objects in these files can run arbitrary code; only for "
+                     "files you trust", once="trust_pickle", stacklevel=4)
+
+
 def _atol(atol: Any) -> float:
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
         raise InvalidArgumentError(f"atol must be a number >= 0, got {atol!r}")
@@ -419,6 +436,7 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     n = len(lay.files)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
         raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
+    _trust(trust_pickle)
     target = _destination(lay, out, in_place)
     for f in _bar(lay.files, "checking", progress):  # the copy must not carry a corrupt input along
         _ckpt_files.check_crc(f)
@@ -426,7 +444,11 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     with _opened(sources, trust_pickle, progress) as views:
         names, _ = _common_names(sources, views, True)
         values, merged, from_src = _repaired_values(views, names, policy, src)
-        stage = _ckpt_files.staging(lay.unit if in_place else target)
+        try:
+            stage = _ckpt_files.staging(lay.unit if in_place else target)
+        except OSError as e:
+            raise CheckpointError(f"cannot create a folder beside {lay.unit if in_place else target}: {e}; "
+                                  "nothing was written", str(target)) from e
         try:
             unit = stage if in_place or lay.unit == lay.path else stage / lay.unit.name
             rewritten, copied = _write_copy(lay, views, values, unit, stage, in_place, trust_pickle, progress)
@@ -475,7 +497,10 @@ def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool)
     if resolved == inp or resolved.is_relative_to(inp) or resolved.is_relative_to(lay.unit.resolve()):
         raise CheckpointError(f"{target}: the output is inside the input {lay.path}; write it elsewhere",
                               str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{target}: cannot create its parent folder: {e}", str(target)) from e
     return target
 
 

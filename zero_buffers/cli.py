@@ -137,11 +137,15 @@ def _doctor_parsers(sub: Any) -> None:
                         help="unpickle Python objects in old or custom checkpoints (only for files you trust)")
     common.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: for 8 or more files on a terminal)")
-    ins = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds: kind, ranks, buffers, counters")
+    check = argparse.ArgumentParser(add_help=False)
+    check.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                       help="check every .pt archive's CRC-32 first (default: files up to 256 MiB; repair: always)")
+    ins = sub.add_parser("inspect", parents=[common, check],
+                         help="what a checkpoint holds: kind, ranks, buffers, counters")
     ins.add_argument("path")
     ins.add_argument("--json", action="store_true", help="one JSON object instead of text")
     ins.add_argument("--all", action="store_true", help="also print the per-buffer table")
-    df = sub.add_parser("diff", parents=[common],
+    df = sub.add_parser("diff", parents=[common, check],
                         help="per buffer, whether the ranks of a checkpoint (or several files) agree; exit 1 if not")
     df.add_argument("paths", nargs="+", metavar="PATH")
     df.add_argument("--atol", type=float, default=0.0, help="tolerance (default 0: bitwise identical)")
@@ -166,9 +170,8 @@ def doctor(args: argparse.Namespace) -> int:
     from .errors import ZeroBuffersError
 
     common = {"tag": args.tag, "trust_pickle": args.trust_pickle, "progress": args.progress}
-    if args.trust_pickle:
-        print("zero-buffers: --trust-pickle: unpickling Python objects from these files can run arbitrary code",
-              file=sys.stderr)
+    if args.command != "repair":
+        common["verify"] = args.verify
     try:
         if args.command == "repair":
             if (args.out is None) == (not args.in_place):
@@ -181,7 +184,7 @@ def doctor(args: argparse.Namespace) -> int:
             report = checkpoint_report(args.path, **common)
         else:
             report = checkpoint_report(*args.paths, atol=args.atol, only=args.only, **common)
-    except ZeroBuffersError as e:
+    except (ZeroBuffersError, OSError) as e:  # OSError: an output folder that cannot be made, a full disk ...
         print(f"zero-buffers {args.command}: {e}", file=sys.stderr)
         return 2
     if args.json:
@@ -192,7 +195,7 @@ def doctor(args: argparse.Namespace) -> int:
         print(report.heading())
         if not report.per_rank and len(report.sources) > 1:
             print("\n".join(f"  source {i}: {s}" for i, s in enumerate(report.sources)))
-        print(report.table(full=args.all))
+        print(report.table(full=args.all).replace("format(full=True)", "--all"))
         for w in report.warnings:
             print(f"WARNING: {w}")
     if args.command == "diff" and not report.compared:

@@ -109,7 +109,7 @@ class _ReadOnly:
             _structure.agree(self.g, (_FN, "enter", None), _zero_specs(zero) + entries, deadline, _FN)
             if self.check:
                 assert_buffers_in_sync(self.box, group=self.g.pg, atol=self.atol,
-                                       timeout=deadline.remaining() or math.inf)
+                                       timeout=None if deadline.default else deadline.remaining() or math.inf)
         if self.gather is not None:
             self.gather.__enter__()
 
