@@ -8,7 +8,9 @@ mmap'ed file pages it touched; RssAnon: the peak of the memory it allocated, sam
 
 - naive: ``torch.load`` every rank file (``weights_only=True``), then compare every entry with rank 0's;
 - ``zero-buffers inspect`` / ``diff``: lazy (mmap) reads, one entry of every rank at a time;
-- ``diff --only`` the BatchNorm statistics: what it costs to compare the buffers alone.
+- ``diff --only`` the BatchNorm statistics: what it costs to compare the buffers alone;
+- on a DeepSpeed ZeRO-3 tag folder of the same size (weights in the optimizer files): ``torch.load`` of every
+  file (``weights_only=False``, as the optimizer files need) against ``zero-buffers inspect``.
 
 The methods take turns run by run (median of the repeats); the page cache is warm for all of them after the
 first round, so the times compare the work, not the disk. Writes ``doctor.json``, ``doctor.md`` and
@@ -49,9 +51,15 @@ if method == "naive":
     sds = [torch.load(f, weights_only=True) for f in files]
     differ = sorted(k for k in sds[0] if any(not torch.equal(sd[k], sds[0][k]) for sd in sds[1:]))
     result = len(differ)
+elif method == "naive_zero3":  # what a script does without the doctor: load every file of the tag folder
+    step = Path(folder) / "step1"
+    loaded = {f.name: torch.load(f, weights_only=False) for f in sorted(step.glob("*.pt"))}
+    models = [v["module"] for k, v in sorted(loaded.items()) if k.endswith("model_states.pt")]
+    differ = sorted(k for k in models[0] if any(not torch.equal(m[k], models[0][k]) for m in models[1:]))
+    result = len(differ)
 else:
     import contextlib, io
-    args = {"inspect": ["inspect", folder], "diff": ["diff", folder],
+    args = {"inspect": ["inspect", folder], "diff": ["diff", folder], "inspect_zero3": ["inspect", folder],
             "diff_only_bn": ["diff", folder, "--only", "*running_*", "--only", "*num_batches_tracked"]}[method]
     with contextlib.redirect_stdout(io.StringIO()) as out:
         code = cli.main(args)
@@ -66,6 +74,7 @@ print(json.dumps({"seconds": seconds, "peak_rss_MiB": hwm / 1024, "peak_anon_MiB
 """
 
 METHODS = ("naive", "inspect", "diff", "diff_only_bn")
+ZERO3_METHODS = ("naive_zero3", "inspect_zero3")
 
 
 def resnet50_bn() -> list[tuple[str, int]]:
@@ -98,6 +107,32 @@ def generate(folder: Path, world: int, weight_mib: int) -> dict[str, float]:
             "bn_layers": len(resnet50_bn())}
 
 
+def generate_zero3(folder: Path, world: int, weight_mib: int) -> None:
+    """A DeepSpeed ZeRO-3 tag folder as save_checkpoint lays it out: per rank, a model-states file with that rank's
+    buffers, empty parameter placeholders and ``buffer_names``, and an optimizer file holding the rank's partition
+    of the weights (``weight_mib`` MiB each, fp32 master weights and two Adam moments)."""
+    g = torch.Generator().manual_seed(1)
+    step = folder / "step1"
+    step.mkdir(parents=True)
+    (folder / "latest").write_text("step1")
+    part = weight_mib * (1 << 18) // 3
+    for r in range(world):
+        module: dict[str, torch.Tensor] = {f"weight.{i}": torch.empty(0) for i in range(16)}
+        names = []
+        for name, c in resnet50_bn():
+            module[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.1 * r
+            module[f"{name}.running_var"] = 1 + torch.rand(c, generator=g) * r
+            module[f"{name}.num_batches_tracked"] = torch.tensor(100)
+            names += [f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked"]
+        torch.save({"module": module, "buffer_names": names, "dp_world_size": world,
+                    "ds_config": {"zero_optimization": {"stage": 3}}, "ds_version": "0.19.8"},
+                   step / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        flat = torch.randn(part, generator=g)
+        torch.save({"optimizer_state_dict": {"fp32_flat_groups": [flat], "state": {0: {
+            "exp_avg": torch.randn(part, generator=g), "exp_avg_sq": torch.rand(part, generator=g)}}}},
+            step / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+
+
 def run(method: str, folder: Path) -> dict[str, float]:
     done = subprocess.run([sys.executable, "-c", _CHILD, method, str(folder)], capture_output=True, text=True,
                           timeout=900, check=False)
@@ -115,24 +150,31 @@ def main() -> int:
     world, mib, repeats = (2, 8, 1) if args.quick else (4, 512, args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in (*METHODS, *ZERO3_METHODS)}
     with tempfile.TemporaryDirectory(prefix="zb_doctor_bench_") as tmp:
         folder = Path(tmp)
         setup = generate(folder, world, mib)
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
         for _ in range(repeats):
             for m in METHODS:
                 runs[m].append(run(m, folder))
+    with tempfile.TemporaryDirectory(prefix="zb_doctor_bench_z3_") as tmp:
+        folder = Path(tmp)
+        generate_zero3(folder, world, mib)
+        setup["zero3_total_MiB"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2 ** 20
+        for _ in range(repeats):
+            for m in ZERO3_METHODS:
+                runs[m].append(run(m, folder))
     want = 2 * len(resnet50_bn())  # running_mean and running_var of every layer differ; the counters agree
     rows = []
-    for m in METHODS:
+    for m in (*METHODS, *ZERO3_METHODS):
         got = {r["differing"] for r in runs[m]}
         if got != {want}:
             raise SystemExit(f"{m} found {got} differing entries, expected {want}")
         rows.append({"method": m, "seconds": statistics.median(r["seconds"] for r in runs[m]),
                      "peak_rss_MiB": max(r["peak_rss_MiB"] for r in runs[m]),
                      "peak_anon_MiB": max(r["peak_anon_MiB"] for r in runs[m])})
-    naive = rows[0]
     for r in rows:
+        naive = rows[0] if r["method"] in METHODS else rows[len(METHODS)]
         r["time_vs_naive"] = r["seconds"] / naive["seconds"]
         r["anon_vs_naive"] = r["peak_anon_MiB"] / max(naive["peak_anon_MiB"], 1e-9)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
@@ -147,7 +189,10 @@ def main() -> int:
              "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['method']} | {r['seconds']:.2f} | {r['time_vs_naive']:.2f} | {r['peak_rss_MiB']:.0f} | "
               f"{r['peak_anon_MiB']:.0f} | {r['anon_vs_naive']:.4f} |" for r in rows]
-    lines += ["", "Peak RSS counts the mmap'ed file pages a method touched (the kernel can drop them at any time); "
+    z3 = setup["zero3_total_MiB"]
+    lines += ["", f"The last two rows: a DeepSpeed ZeRO-3 tag folder of the same size ({z3:.0f} MiB, the weights in "
+              "the optimizer files, the buffers in the model-states files), against loading every file of it.", "",
+              "Peak RSS counts the mmap'ed file pages a method touched (the kernel can drop them at any time); "
               "peak allocated (RssAnon) is the memory the method needs."]
     (out / "doctor.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -49,7 +49,8 @@ def test_quick_doctor_benchmark_checks_every_method_and_writes_its_outputs(tmp_p
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "doctor.json").read_text())
     assert data["meta"]["quick"] is True and data["meta"]["files"] == 2
-    assert [r["method"] for r in data["rows"]] == ["naive", "inspect", "diff", "diff_only_bn"]
+    assert [r["method"] for r in data["rows"]] == ["naive", "inspect", "diff", "diff_only_bn", "naive_zero3",
+                                                  "inspect_zero3"]
     assert all(r["seconds"] > 0 and r["peak_rss_MiB"] > 0 for r in data["rows"])
     assert "quick mode" in (tmp_path / "doctor.md").read_text()
     assert (tmp_path / "doctor.png").read_bytes()[:4] == b"\x89PNG"
