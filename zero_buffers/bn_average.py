@@ -59,10 +59,21 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
         merged.append(_write(bns, sums))
 
     contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply,
-                                   extra=_digest.combined([t for _, t in entries]) if entries else 0)
-    if merged[0] and len(set(contents)) == 1:
+                                   extra=stats_digest(g, entries, fn))
+    if merged[0] and len(set(contents)) == 1 and contents[0] != 0:
         warn_identical(fn)
     return merged[0]
+
+
+def stats_digest(g: _group.Group, entries: list[tuple[str, torch.Tensor]], fn: str) -> int:
+    """A digest of this rank's statistics for the identical-statistics check; 0 (never equal to a real one, never
+    raising: it runs before the first collective) when there are none or they cannot be read."""
+    if not entries or _transaction.unsendable(g, entries, fn) is not None:
+        return 0
+    try:
+        return _digest.combined([t for _, t in entries]) or 1
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return 0
 
 
 def warn_identical(fn: str) -> None:

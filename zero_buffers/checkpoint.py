@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _args, _digest, _group, _modules, _notice, _structure, _transaction, _wire, bn_average, bn_recompute
+from . import _args, _group, _modules, _notice, _structure, _transaction, _wire, bn_average, bn_recompute
 from ._compat import accelerate as acc_compat
 from ._compat import deepspeed as ds_compat
 from .bn_recompute import recompute_bn_stats
@@ -116,10 +116,10 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
         if not source:
             _wire.write(others, buckets, space)
 
-    stats_digest = _digest.combined([t for bn in bns for _, t in bn.entries()]) if policy == "average" and bns else 0
+    content = bn_average.stats_digest(g, [e for bn in bns for e in bn.entries()], fn) if policy == "average" else 0
     contents = _transaction.commit(g, (fn, policy, src), entries, deadline, fn, prepare=prepare, exchange=exchange,
-                                   apply=apply, extra=stats_digest)
-    if policy == "average" and bns and len(set(contents)) == 1:
+                                   apply=apply, extra=content)
+    if policy == "average" and len(set(contents)) == 1 and contents[0] != 0:
         bn_average.warn_identical(f"{fn}(policy='average')")
     return len(entries)
 
