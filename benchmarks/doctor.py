@@ -89,6 +89,16 @@ def resnet50_bn() -> list[tuple[str, int]]:
     return out
 
 
+def bn_buffers(rank: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """ResNet-50's BatchNorm statistics as rank ``rank`` holds them: diverged from rank 0's, the same counters."""
+    out = {}
+    for name, c in resnet50_bn():
+        out[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.1 * rank
+        out[f"{name}.running_var"] = 1 + torch.rand(c, generator=g) * rank
+        out[f"{name}.num_batches_tracked"] = torch.tensor(100)
+    return out
+
+
 def generate(folder: Path, world: int, weight_mib: int) -> dict[str, float]:
     """``world`` rank files: identical weights (``weight_mib`` MiB each, 32 MiB tensors) and BatchNorm statistics
     that differ on every rank but rank 0's counters."""
@@ -96,12 +106,7 @@ def generate(folder: Path, world: int, weight_mib: int) -> dict[str, float]:
     chunk = min(32, weight_mib)
     weights = {f"weight.{i}": torch.randn(chunk * (1 << 18), generator=g) for i in range(weight_mib // chunk)}
     for r in range(world):
-        sd = dict(weights)
-        for name, c in resnet50_bn():
-            sd[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.1 * r
-            sd[f"{name}.running_var"] = 1 + torch.rand(c, generator=g) * r
-            sd[f"{name}.num_batches_tracked"] = torch.tensor(100)
-        torch.save(sd, folder / f"rank{r}.pt")
+        torch.save({**weights, **bn_buffers(r, g)}, folder / f"rank{r}.pt")
     total = sum(f.stat().st_size for f in folder.iterdir())
     return {"files": world, "total_MiB": total / 2 ** 20, "weights_MiB_per_file": float(weight_mib),
             "bn_layers": len(resnet50_bn())}
@@ -117,14 +122,9 @@ def generate_zero3(folder: Path, world: int, weight_mib: int) -> None:
     (folder / "latest").write_text("step1")
     part = weight_mib * (1 << 18) // 3
     for r in range(world):
-        module: dict[str, torch.Tensor] = {f"weight.{i}": torch.empty(0) for i in range(16)}
-        names = []
-        for name, c in resnet50_bn():
-            module[f"{name}.running_mean"] = torch.randn(c, generator=g) * 0.1 * r
-            module[f"{name}.running_var"] = 1 + torch.rand(c, generator=g) * r
-            module[f"{name}.num_batches_tracked"] = torch.tensor(100)
-            names += [f"{name}.running_mean", f"{name}.running_var", f"{name}.num_batches_tracked"]
-        torch.save({"module": module, "buffer_names": names, "dp_world_size": world,
+        buffers = bn_buffers(r, g)
+        module = {**{f"weight.{i}": torch.empty(0) for i in range(16)}, **buffers}
+        torch.save({"module": module, "buffer_names": list(buffers), "dp_world_size": world,
                     "ds_config": {"zero_optimization": {"stage": 3}}, "ds_version": "0.19.8"},
                    step / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
         flat = torch.randn(part, generator=g)

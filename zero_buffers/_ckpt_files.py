@@ -135,7 +135,7 @@ def _deepspeed(folder: Path, path: Path) -> Layout:
             raise CheckpointError(f"{folder}: model-parallel ranks {sorted(zero3)} (mp_rank_01 and up) are not "
                                   "supported; only data-parallel ZeRO-3 folders (mp_rank_00)", str(folder))
         ranks = zero3[0]
-        expected = _dp_world_size(ranks[min(ranks)])
+        expected, _ = _ds_record(ranks[min(ranks)])
         _check_ranks(folder, ranks, expected, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
         files = tuple(StateFile(ranks[r], f"rank {r}", r, "torch", "module") for r in sorted(ranks))
         return Layout("DeepSpeed ZeRO-3", path, folder, files, True, None,
@@ -145,8 +145,7 @@ def _deepspeed(folder: Path, path: Path) -> Layout:
     if not single.is_file():
         raise CheckpointError(f"{folder}: a DeepSpeed folder without mp_rank_00_model_states.pt or "
                               "zero_pp_rank_*_mp_rank_00_model_states.pt", str(folder))
-    stage = _zero_stage(single)
-    world = _dp_world_size(single)
+    world, stage = _ds_record(single)
     others = f"the other {world - 1} rank(s)' buffers were never written" if world and world > 1 else \
         "other ranks' buffers, if any, were never written"
     return Layout(f"DeepSpeed ZeRO-{stage}" if stage in (0, 1, 2) else "DeepSpeed ZeRO-1/2", path, folder,
@@ -155,18 +154,13 @@ def _deepspeed(folder: Path, path: Path) -> Layout:
                    "nothing per rank to compare or merge (recompute the statistics after loading)",))
 
 
-def _dp_world_size(file: Path) -> int | None:
-    """``dp_world_size`` recorded in a DeepSpeed model-states file (None when absent)."""
-    value = _open_torch(file, trust_pickle=False).get("dp_world_size")
-    return value if isinstance(value, int) else None
-
-
-def _zero_stage(file: Path) -> int | None:
-    config = _open_torch(file, trust_pickle=False).get("ds_config")
-    if isinstance(config, Mapping):
-        stage = config.get("zero_optimization", {}).get("stage", 0)
-        return stage if isinstance(stage, int) else None
-    return None
+def _ds_record(file: Path) -> tuple[int | None, int | None]:
+    """``dp_world_size`` and the ZeRO stage a DeepSpeed model-states file records (None where absent), one read."""
+    record = _open_torch(file, trust_pickle=False)
+    world = record.get("dp_world_size")
+    config = record.get("ds_config")
+    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, Mapping) else None
+    return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else None)
 
 
 def _check_ranks(folder: Path, ranks: Mapping[int, Path], expected: int | None, template: str) -> None:

@@ -31,6 +31,11 @@ class ScheduleMismatch(RuntimeError):
     """The ranks' forwards called different BatchNorm layers in the same round, or ended at different rounds."""
 
 
+def _ended_apart() -> ScheduleMismatch:
+    return ScheduleMismatch("the ranks' forwards ended after different numbers of BatchNorm calls "
+                            "(data-dependent control flow is not supported with global_batch=True)")
+
+
 class _StepOver(Exception):
     """This rank's forward was cut short: the round showed the step is over (raised inside the forward)."""
 
@@ -109,8 +114,7 @@ class Lockstep:
             try:
                 run()
             except _StepOver:
-                return ScheduleMismatch("the ranks' forwards ended after different numbers of BatchNorm calls "
-                                        "(data-dependent control flow is not supported with global_batch=True)")
+                return _ended_apart()
             except BaseException as e:  # noqa: BLE001 - reported at the next vote; the step must still end here
                 failure = e
             else:
@@ -118,8 +122,7 @@ class Lockstep:
                 done[0], done[3] = 1.0, 1.0
                 total = self._reduce(done)
                 if float(total[3]) != float(total[0]):
-                    return ScheduleMismatch("the ranks' forwards ended after different numbers of BatchNorm calls "
-                                            "(data-dependent control flow is not supported with global_batch=True)")
+                    return _ended_apart()
                 return None
         idle = torch.zeros(self.size, dtype=torch.float64)
         while True:
