@@ -79,7 +79,23 @@ def _recompute(rank, world, wrap, global_batch):
         target = model
     data = shard(rank, counts(world)[rank])
     written = zb.recompute_bn_stats(target, data, global_batch=global_batch, progress=False, timeout=60)
-    return written, stats(zb._modules.unwrap(target, "test"))
+    got = stats(zb._modules.unwrap(target, "test"))
+    if wrap == "plain":  # the model's own API afterwards: dtype, device, its forward, save_pretrained, pickling
+        import pickle
+        import tempfile
+
+        from transformers import ResNetModel
+        assert model.dtype == torch.float32 and model.device.type == "cpu" and model.training  # mode restored
+        with torch.no_grad():
+            out = model.eval()(pixel_values=torch.randn(2, 3, 16, 16)).pooler_output  # eval: statistics untouched
+        assert out.shape == (2, 16, 1, 1) and torch.isfinite(out).all()
+        if rank == 0:  # under a process group transformers 5 writes on rank 0 only
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                reloaded = stats(ResNetModel.from_pretrained(tmp))
+            assert all(torch.equal(reloaded[k], v) for k, v in got.items())
+        assert all(torch.equal(v, got[k]) for k, v in stats(pickle.loads(pickle.dumps(model))).items())
+    return written, got
 
 
 @pytest.mark.parametrize("wrap", ["plain", "ddp"])
