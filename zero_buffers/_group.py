@@ -1,4 +1,5 @@
-"""The process group a call runs over, and the one rank convention: rank arguments are ranks *within* the group.
+"""The process group a call runs over (a ProcessGroup, a DeviceMesh or one of its dimensions), and the one rank
+convention: rank arguments are ranks *within* the group.
 
 ``src=1`` with a group of global ranks (4, 5, 6, 7) means global rank 5, as DeepSpeed's ``modifier_rank``
 and torch's ``group_src`` mean it; over the default group both conventions coincide. Reports and error
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._compat import torch as torch_compat
 from .errors import DistributedSetupError, InvalidArgumentError, InvalidSourceRankError
 
 
@@ -58,11 +60,12 @@ def global_rank() -> int:
 def resolve(group: Any, fn: str) -> Group | None:
     """``group`` (a ProcessGroup, or None for the default one) for this call; None means there is nothing to
     synchronise: no process group, a group of one, or this rank is not a member."""
+    group = _from_mesh(group, fn)
     if dist.is_available() and not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER
                                     or isinstance(group, dist.ProcessGroup)):
         raise InvalidArgumentError(
-            f"{fn}(): group must be a torch.distributed ProcessGroup (or None for the default group), got "
-            f"{type(group).__name__} {group!r:.60}")
+            f"{fn}(): group must be a torch.distributed ProcessGroup, a DeviceMesh, (DeviceMesh, dimension name) "
+            f"or None for the default group, got {type(group).__name__} {group!r:.60}")
     if not initialized():
         env_world = os.environ.get("WORLD_SIZE", "1").strip() or "1"
         if env_world.isdigit() and int(env_world) > 1:
@@ -81,6 +84,17 @@ def resolve(group: Any, fn: str) -> Group | None:
     if len(ranks) <= 1 or me not in ranks:
         return None
     return Group(pg=group, ranks=ranks, me=ranks.index(me), backend=str(dist.get_backend(pg)))
+
+
+def _from_mesh(group: Any, fn: str) -> Any:
+    """A DeviceMesh (its whole extent) or (mesh, dimension name) as the process group it stands for."""
+    if torch_compat.is_device_mesh(group):
+        return torch_compat.mesh_group(group, None, fn)
+    if isinstance(group, tuple) and len(group) == 2 and torch_compat.is_device_mesh(group[0]):
+        if not isinstance(group[1], str):
+            raise InvalidArgumentError(f"{fn}(): group=(mesh, dim) needs a dimension name (str), got {group[1]!r}")
+        return torch_compat.mesh_group(group[0], group[1], fn)
+    return group
 
 
 def check_src(g: Group | None, src: int, fn: str, name: str = "src") -> None:

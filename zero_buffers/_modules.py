@@ -9,28 +9,45 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from ._compat import deepspeed as ds_compat
-from ._compat.torch import FSDP_CLASSES
+from ._compat import torch as torch_compat
 from .errors import InvalidArgumentError
 
 Entry = tuple[str, torch.Tensor]
 """A tensor a call synchronises, by the qualified name that identifies it on every rank."""
 
-_PASS_THROUGH = frozenset({"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine"})
+_PASS_THROUGH = frozenset({"DistributedDataParallel", "DataParallel", "DeepSpeedEngine", "PipelineEngine",
+                           "FullyShardedDataParallel"})
+_FSDP1_PREFIX = "_fsdp_wrapped_module."  # FSDP1 units insert it into every qualified name below them
 
 
 def unwrap(module: nn.Module, fn: str) -> nn.Module:
-    """The module that holds the layers: strips DDP, DataParallel, DeepSpeed engines and torch.compile wrappers."""
+    """The module that holds the layers: strips DDP, DataParallel, DeepSpeed engines, an FSDP1 root and torch.compile
+    wrappers (a ``fully_shard``ed module is itself). A tree mixing FSDP1 and FSDP2 raises InvalidArgumentError."""
+    outer = module
     while True:
         names = {c.__name__ for c in type(module).__mro__}
-        if names & FSDP_CLASSES:
-            raise InvalidArgumentError(
-                f"{fn}(): FSDP-sharded modules are not supported (their forward and state_dict gather parameters "
-                "across ranks); use DDP, DeepSpeed or a plain module")
         inner = getattr(module, "module", None) if names & _PASS_THROUGH else \
             getattr(module, "_orig_mod", None) if "OptimizedModule" in names else None
         if not isinstance(inner, nn.Module):
-            return module
+            break
         module = inner
+    fsdp_kinds(outer, fn)
+    return module
+
+
+def fsdp_kinds(module: nn.Module, fn: str) -> tuple[bool, bool]:
+    """(has FSDP1 units, has FSDP2 modules) in ``module``'s tree; InvalidArgumentError when it has both."""
+    one = two = None
+    for name, m in module.named_modules():
+        if one is None and torch_compat.is_fsdp1(m):
+            one = name
+        if two is None and torch_compat.is_fsdp2(m):
+            two = name
+    if one is not None and two is not None:
+        raise InvalidArgumentError(
+            f"{fn}(): the module mixes FSDP1 (FullyShardedDataParallel at '{one or '<root>'}') and FSDP2 (fully_shard "
+            f"at '{two or '<root>'}'); torch does not support that tree and neither does zero_buffers")
+    return one is not None, two is not None
 
 
 def _ignored(name: str, skip: frozenset[str]) -> bool:
@@ -41,8 +58,10 @@ def _ignored(name: str, skip: frozenset[str]) -> bool:
     return any(".".join(parts[:i]) in skip for i in range(1, len(parts)))
 
 
-def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False) -> list[Entry]:
-    """Buffers (then plain, non-ZeRO parameters if asked) by qualified name; None buffers and aliases skipped."""
+def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
+                  fn: str = "zero_buffers") -> list[Entry]:
+    """Buffers (then plain parameters if asked: not ZeRO's, not FSDP's, no DTensor) by qualified name, FSDP1's
+    ``_fsdp_wrapped_module.`` left out of the names; None buffers and aliases skipped."""
     skip = frozenset(ignore)
     out: list[Entry] = []
     seen: set[int] = set()
@@ -50,13 +69,19 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
         for key, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
                 continue
-            name = f"{mod_name}.{key}" if mod_name else key
+            name = (f"{mod_name}.{key}" if mod_name else key).replace(_FSDP1_PREFIX, "")
             if not skip or not _ignored(name, skip):
                 seen.add(id(buf))
                 out.append((name, buf))
     if include_parameters:
+        if fsdp_kinds(module, fn)[0]:
+            raise InvalidArgumentError(
+                f"{fn}(): include_parameters=True on an FSDP1 (FullyShardedDataParallel) model: FSDP1 keeps its "
+                "parameters as per-rank shards of flat parameters, which must never be broadcast; sync the buffers "
+                "alone (the default), or use fully_shard (FSDP2), whose sharded parameters are told apart")
         for name, p in module.named_parameters(remove_duplicate=True):
-            if not ds_compat.is_zero_param(p) and not _ignored(name, skip):  # ZeRO parameters belong to DeepSpeed
+            # ZeRO parameters belong to DeepSpeed, DTensors (FSDP2, tensor parallel) to their placements
+            if not ds_compat.is_zero_param(p) and not torch_compat.is_dtensor(p) and not _ignored(name, skip):
                 out.append((name, p))
     return out
 
@@ -93,7 +118,8 @@ def tracking_bn(module: nn.Module) -> list[BatchNorm]:
     for name, m in module.named_modules():
         if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None:
             assert m.running_var is not None
-            out.append(BatchNorm(name, m, m.running_mean, m.running_var, m.num_batches_tracked))
+            out.append(BatchNorm(name.replace(_FSDP1_PREFIX, ""), m, m.running_mean, m.running_var,
+                                 m.num_batches_tracked))
     return out
 
 

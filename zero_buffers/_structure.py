@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import _wire
+from ._compat import torch as torch_compat
 from ._group import Group
 from .errors import BufferStructureError
 
@@ -54,8 +55,8 @@ def specs(entries: Sequence[tuple[str, Any]]) -> list[Spec]:
             k = per_type.get(t.device.type, 0)
             per_type[t.device.type] = k + 1
             slot = slots[t.device] = t.device.type if k == 0 else f"{t.device.type}#{k}"
-        out.append(Spec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), slot,
-                        str(t.layout).removeprefix("torch.")))
+        layout = "dtensor" if torch_compat.is_dtensor(t) else str(t.layout).removeprefix("torch.")
+        out.append(Spec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), slot, layout))
     return out
 
 
@@ -68,8 +69,9 @@ _CACHE: dict[tuple, list[Any]] = {}  # structure key -> [digest, bucket plan]; d
 
 
 def _known(call: tuple, entries: Sequence[tuple[str, Any]]) -> list[Any]:
-    key = (_wire.BUCKET_BYTES, call, tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout)
-                                           for n, t in entries))
+    key = (_wire.BUCKET_BYTES, call,
+           tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout, type(t))
+                 for n, t in entries))
     found = _CACHE.get(key)
     if found is None:
         if len(_CACHE) > 256:

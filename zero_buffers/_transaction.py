@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import _structure, _wire
+from ._compat import torch as torch_compat
 from ._group import Group
 from ._modules import Entry
 from .errors import CollectiveError, InvalidArgumentError, SyncAbortedError, UnsupportedDeviceError
@@ -35,11 +36,18 @@ def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | Non
     """The error for tensors no collective can carry (meta, non-strided, quantized; CPU tensors on nccl).
     It depends on dtype, device and layout only, which structure agreement compares, so after agreeing
     every rank finds the same one."""
+    distributed = [n for n, t in entries if torch_compat.is_dtensor(t)]
+    if distributed:
+        return InvalidArgumentError(
+            f"{what}(): {len(distributed)} buffer(s) are DTensors, e.g. '{distributed[0]}': their placements say how "
+            "they are laid out over a mesh, and zero_buffers syncs replicated plain tensors only. Pass "
+            "ignore=(name,), or register buffer.full_tensor() / buffer.to_local()")
     meta = [n for n, t in entries if t.is_meta]
     if meta:
         return InvalidArgumentError(
             f"{what}(): {len(meta)} tensor(s) are on the meta device and hold no data, e.g. '{meta[0]}'. "
-            "Materialise the module (to_empty + load, or build it outside a meta-device context) first")
+            "Materialise the module (to_empty + load, or build it outside a meta-device context) first; "
+            "broadcast_buffers(module, src, materialize=True) allocates them on the receivers")
     odd = [(n, t.layout) for n, t in entries if t.layout != torch.strided]
     if odd:
         return InvalidArgumentError(

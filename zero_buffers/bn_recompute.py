@@ -16,6 +16,7 @@ from torch.nn.parameter import is_lazy
 
 from . import _args, _global_bn, _group, _modules, _structure, _transaction, _wire
 from ._compat import deepspeed as ds_compat
+from ._compat import torch as torch_compat
 from .errors import InvalidArgumentError, RecomputeError
 
 _FN = "recompute_bn_stats"
@@ -69,7 +70,10 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     the memory of the full model on every rank for the duration) and the engine's per-layer
     gather/release hooks are suspended, so no forward issues a collective: a rank whose data or
     forward fails cannot leave its peers waiting inside a forward. Any other collective in the model's
-    own forward is not supported.
+    own forward is not supported. A ``fully_shard`` (FSDP2) model is likewise unsharded once, whole (one
+    all-gather per FSDP module, then no collective in any forward), and resharded afterwards; FSDP1
+    (``FullyShardedDataParallel``) models raise :class:`InvalidArgumentError` (each unit all-gathers in its
+    forward; use :func:`average_bn_stats` or FSDP2).
 
     Afterwards every module's train/eval mode is restored, momentum is never touched, every buffer
     other than the BatchNorm statistics (EMA codebooks, step counters) gets its old value back, and
@@ -96,6 +100,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     if g is None and _group.initialized() and group is not None:
         return 0  # not a member of the group
     inner = _modules.unwrap(model, _FN)
+    refuse_fsdp1(inner, _FN)
     result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
                              forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN))
     return 0 if result is None else write(*result)
@@ -108,6 +113,15 @@ def check_options(num_batches: Any, forward: Any) -> None:
         raise InvalidArgumentError(f"{_FN}(): num_batches must be None or an int >= 0, got {num_batches!r}")
     if forward is not None and not callable(forward):
         raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
+
+
+def refuse_fsdp1(inner: nn.Module, fn: str) -> None:
+    """InvalidArgumentError for an FSDP1 model (at the call, before any collective)."""
+    if _modules.fsdp_kinds(inner, fn)[0]:
+        raise InvalidArgumentError(
+            f"{fn}(): recomputing BatchNorm statistics of an FSDP1 (FullyShardedDataParallel) model is not supported: "
+            "each FSDP1 unit all-gathers in its forward, so ranks with different numbers of batches would deadlock. "
+            "Use average_bn_stats / sync_buffers(model, 'average'), or fully_shard (FSDP2), which recompute supports")
 
 
 Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
@@ -124,10 +138,11 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     bns = _modules.tracking_bn(inner)
     entries = _modules.bn_stat_entries(bns)
     zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
+    fsdp2 = bool(torch_compat.fsdp2_modules(inner))
     lazy = [n for n, t in entries if is_lazy(t)]
     if g is not None:
         described = [(n, _structure.Spec(n, "uninitialised", (), "lazy") if is_lazy(t) else t) for n, t in entries]
-        _structure.agree(g, (_FN, bool(zero), global_batch), described, deadline, _FN)
+        _structure.agree(g, (_FN, bool(zero), fsdp2, global_batch), described, deadline, _FN)
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
     if g is not None:
@@ -146,7 +161,7 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     plain = [bn for bn in bns if not isinstance(bn.module, _InstanceNorm)]
     lockstep = _global_bn.Lockstep(g, plain, deadline, _FN) if global_batch and g is not None and plain else None
     try:
-        with _passes(inner, bns, acc, saved_other, zero):
+        with _passes(inner, bns, acc, saved_other, zero, fsdp2):
             runner = _Runner(inner, acc, forward, device)
             if lockstep is not None:
                 with lockstep.patched():
@@ -281,9 +296,11 @@ def _local_sync_bn_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch
 
 @contextlib.contextmanager
 def _passes(inner: nn.Module, bns: list[_modules.BatchNorm], acc: _Accumulators,
-            saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Train mode, hooks, local SyncBatchNorm, a forked RNG and (ZeRO-3) the whole model gathered with the engine's
-    gather/release hooks suspended, for the passes; everything put back on exit."""
+            saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: Sequence[torch.Tensor],
+            fsdp2: bool) -> Iterator[None]:
+    """Train mode, hooks, local SyncBatchNorm, a forked RNG and the whole model gathered (ZeRO-3: the engine's
+    gather/release hooks suspended; FSDP2: every module unsharded and kept so), for the passes; everything put
+    back on exit."""
     modes = [(m, m.training) for m in inner.modules()]
     handles = [bn.module.register_forward_pre_hook(acc.hook(i)) for i, bn in enumerate(bns)]
     patched: list[tuple[nn.Module, Any]] = []
@@ -294,8 +311,9 @@ def _passes(inner: nn.Module, bns: list[_modules.BatchNorm], acc: _Accumulators,
     cuda = sorted({t.device.index or 0 for t in [*inner.parameters(), *inner.buffers()] if t.device.type == "cuda"})
     gathered = ds_compat.Gather(zero) if zero else contextlib.nullcontext()
     suspended = ds_compat.zero3_hooks_suspended(inner) if zero else contextlib.nullcontext()
+    unsharded = torch_compat.fsdp2_unsharded(inner) if fsdp2 else contextlib.nullcontext()
     try:
-        with gathered, suspended, torch.random.fork_rng(devices=cuda), torch.no_grad():
+        with gathered, suspended, unsharded, torch.random.fork_rng(devices=cuda), torch.no_grad():
             inner.train()
             yield
     finally:

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import _args, _group, _modules, _structure, _transaction, _wire
 from ._compat import deepspeed as ds_compat
+from ._compat import torch as torch_compat
 from ._rollback import Snapshot
 from .errors import InvalidArgumentError
 from .gathered import GatheredParametersAndBuffers, _zero_specs
@@ -158,14 +159,15 @@ def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
     return _TYPES[key]
 
 
-def _convert(module: nn.Module, no_grad: bool) -> None:
+def _convert(module: nn.Module, no_grad: bool, sharded: dict[int, torch.Tensor]) -> None:
     """Every parameter becomes a persistent buffer of the same name (weights first, so ``state_dict`` keeps its
-    order; tied weights stay one tensor; ZeRO ones gathered once, plain ones keep their storage), every module
-    gets its frozen type."""
+    order; tied weights stay one tensor; ZeRO ones gathered once, FSDP2 ones taken from ``sharded``, their full
+    copies; plain ones keep their storage), every module gets its frozen type."""
     owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
     unique = list({id(p): p for _, _, p in owners}.values())
     zero = [p for p in unique if ds_compat.is_zero_param(p)]
-    full: dict[int, torch.Tensor] = {id(p): p.detach() for p in unique if not ds_compat.is_zero_param(p)}
+    full: dict[int, torch.Tensor] = {id(p): sharded.get(id(p), p.detach()) for p in unique
+                                     if not ds_compat.is_zero_param(p)}
     if zero:
         with GatheredParametersAndBuffers(zero):
             full.update({id(p): p.detach().clone() for p in zero})
@@ -182,6 +184,26 @@ def _convert(module: nn.Module, no_grad: bool) -> None:
         if m is not module and is_frozen_replica(m):
             continue  # an inner replica keeps its type: its root's no_grad methods (and no_grad choice)
         m.__class__ = _frozen_type(type(m), m is module, no_grad)
+
+
+def _fsdp2_modules(module: nn.Module) -> list[nn.Module]:
+    """The ``fully_shard``ed modules of ``module``; InvalidArgumentError (at the call, on every rank alike) for FSDP1
+    and for sharded parameters that an enclosing ``fully_shard`` or tensor parallelism owns."""
+    one, _ = _modules.fsdp_kinds(module, _FN)
+    if one or torch_compat.is_fsdp1(module):
+        raise InvalidArgumentError(
+            f"{_FN}(): FSDP1 (FullyShardedDataParallel) modules are not supported; build the frozen module outside "
+            "FSDP (or fully_shard it: FSDP2 modules are gathered once and detached)")
+    mods = torch_compat.fsdp2_modules(module)
+    managed = torch_compat.fsdp2_managed(module) if mods else set()
+    foreign = [n for n, p in module.named_parameters() if torch_compat.is_dtensor(p) and id(p) not in managed]
+    if foreign:
+        raise InvalidArgumentError(
+            f"{_FN}(): parameter '{foreign[0]}' (and {len(foreign) - 1} more) is a DTensor sharded by a fully_shard "
+            "or tensor-parallel plan outside this module; call frozen_replica before sharding the enclosing model "
+            "(its frozen weights become buffers that fully_shard leaves alone), or fully_shard the frozen module "
+            "on its own")
+    return mods
 
 
 def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeout: _args.Timeout = None,
@@ -225,17 +247,24 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
     g = _group.resolve(group, _FN)
     _group.check_src(g, src, _FN)
     frozen = is_frozen_replica(module)
-    if g is not None:  # every rank gathers the same ZeRO parameters, or none does
+    fsdp2 = _fsdp2_modules(module)
+    if g is not None:  # every rank gathers the same ZeRO / FSDP2 parameters, or none does
         zero = [p for p in module.parameters() if ds_compat.is_zero_param(p)]
-        _structure.agree(g, (_FN, "enter", frozen), _zero_specs(zero), deadline, _FN)
+        _structure.agree(g, (_FN, "enter", frozen, len(fsdp2)), _zero_specs(zero), deadline, _FN)
     saved = Snapshot.take(list(module.modules()), values=False)
     weights = [(m, m.__dict__.get(_WEIGHTS)) for m in module.modules()]
+    undo_fsdp2: Callable[[], None] | None = None
     try:
         if not frozen:
-            _convert(module, no_grad)
+            full = torch_compat.fsdp2_full_tensors(module) if fsdp2 else {}
+            if fsdp2:
+                undo_fsdp2 = torch_compat.fsdp2_detach(module)
+            _convert(module, no_grad, full)
         if g is not None:
             _transaction.broadcast(g, _modules.named_buffers(module), src, (_FN,), deadline, _FN)
     except BaseException:
+        if undo_fsdp2 is not None:
+            undo_fsdp2()  # FSDP2's hooks, classes and state back
         saved.restore()  # registrations and classes as they were: the module as before
         for m, names in weights:
             if names is None:

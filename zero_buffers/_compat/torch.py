@@ -1,10 +1,12 @@
-"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout."""
+"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
+FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,10 +38,6 @@ def unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
                 offset += t.numel()
             return
         _foreach_copy(list(ts), list(_unflatten_dense_tensors(flat, list(ts))))
-
-
-FSDP_CLASSES = frozenset({"FullyShardedDataParallel", "FSDPModule"})
-"""Class names (anywhere in the MRO) of torch's FSDP1 wrapper and the FSDP2 mixin."""
 
 
 def pack_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
@@ -119,3 +117,187 @@ def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]])
             warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ... single process"
             dcp.load(out, checkpoint_id=path, no_dist=True)
     return out
+
+
+# -- FSDP1 (FullyShardedDataParallel), FSDP2 (fully_shard), DTensor, DeviceMesh ------------------------------------
+def _is(obj: Any, name: str, module_prefix: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith(module_prefix) for c in type(obj).__mro__)
+
+
+def is_fsdp1(module: Any) -> bool:
+    """An FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    return _is(module, "FullyShardedDataParallel", "torch.distributed.fsdp")
+
+
+def is_fsdp2(module: Any) -> bool:
+    """A module ``fully_shard`` was applied to (its class gained the ``FSDPModule`` mixin)."""
+    return _is(module, "FSDPModule", "torch.distributed.fsdp")
+
+
+def is_dtensor(t: Any) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (FSDP2 and tensor-parallel parameters)."""
+    return _is(t, "DTensor", "torch.distributed.tensor")
+
+
+def is_device_mesh(obj: Any) -> bool:
+    return _is(obj, "DeviceMesh", "torch.distributed")
+
+
+def fsdp1_managed(module: Any) -> set[int]:
+    """ids of the parameters FSDP1 shards in ``module``: every flat parameter and, with ``use_orig_params=True``, the
+    original parameters that are views into it (``FullyShardedDataParallel.fsdp_modules`` / ``_flat_param``)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        units = FullyShardedDataParallel.fsdp_modules(module)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - every torch zero_buffers supports has them
+        raise missing("torch", "FullyShardedDataParallel.fsdp_modules", str(e)) from e
+    out: set[int] = set()
+    for unit in units:
+        if not hasattr(type(unit), "_flat_param"):
+            raise missing("torch", "FullyShardedDataParallel._flat_param")
+        flat = unit._flat_param
+        if flat is not None:
+            out.add(id(flat))
+            out.update(id(p) for p in (getattr(flat, "_params", None) or ()))
+    return out
+
+
+def _fsdp2_state(module: Any) -> Any:
+    """``fully_shard.state(module)``: the FSDPState holding a module's parameter groups and forward hooks."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+        state = fully_shard.state(module)  # type: ignore[attr-defined]
+        state._fsdp_param_groups  # noqa: B018 - fail here, naming the version, when the layout changed
+    except (ImportError, AttributeError) as e:
+        raise missing("torch", "fully_shard.state(module)._fsdp_param_groups", str(e)) from e
+    return state
+
+
+def fsdp2_modules(module: Any) -> list[Any]:
+    """Every ``fully_shard``ed module of the tree, in module order."""
+    return [m for m in module.modules() if is_fsdp2(m)]
+
+
+def _fsdp_params(module: Any) -> Iterator[Any]:
+    """Every FSDPParam of the ``fully_shard`` states inside ``module``."""
+    for m in fsdp2_modules(module):
+        for group in _fsdp2_state(m)._fsdp_param_groups:
+            fsdp_params = getattr(group, "fsdp_params", None)
+            if fsdp_params is None:
+                raise missing("torch", "FSDPParamGroup.fsdp_params")
+            yield from fsdp_params
+
+
+def fsdp2_managed(module: Any) -> set[int]:
+    """ids of the (sharded) parameters the ``fully_shard`` states inside ``module`` manage."""
+    try:
+        return {id(fp.sharded_param) for fp in _fsdp_params(module)}
+    except AttributeError as e:
+        raise missing("torch", "FSDPParam.sharded_param", str(e)) from e
+
+
+@contextlib.contextmanager
+def fsdp2_unsharded(module: Any) -> Iterator[None]:
+    """Every ``fully_shard``ed module of ``module`` unsharded (one all-gather per parameter group, in module order:
+    every rank must enter) and kept so through any number of forwards, which then issue no collective; afterwards
+    the groups that were sharded before are resharded (local) and reshard-after-forward is as it was.
+
+    Private: ``FSDPParamGroup.post_forward_mesh_info`` (None means "do not reshard after forward", what FSDP sets
+    on its root) and ``is_unsharded``."""
+    mods = fsdp2_modules(module)
+    groups = [g for m in mods for g in _fsdp2_state(m)._fsdp_param_groups]
+    if any(not hasattr(g, "post_forward_mesh_info") or not hasattr(type(g), "is_unsharded") for g in groups):
+        raise missing("torch", "FSDPParamGroup.post_forward_mesh_info / is_unsharded")
+    was_unsharded = [bool(g.is_unsharded) for g in groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    try:
+        for m in mods:
+            m.unshard()
+        for g in groups:
+            g.post_forward_mesh_info = None
+        yield
+    finally:
+        for g, info, before in zip(groups, saved, was_unsharded):
+            g.post_forward_mesh_info = info
+            if not before and g.is_unsharded:
+                g.reshard()
+
+
+def fsdp2_full_tensors(module: Any) -> dict[int, torch.Tensor]:
+    """id(sharded parameter) -> a plain full copy of it, for every parameter the ``fully_shard`` states inside
+    ``module`` manage (one all-gather per parameter group; every rank must call)."""
+    out: dict[int, torch.Tensor] = {}
+    with fsdp2_unsharded(module):
+        try:
+            for fp in _fsdp_params(module):
+                out[id(fp.sharded_param)] = fp.unsharded_param.detach().clone()
+        except AttributeError as e:
+            raise missing("torch", "FSDPParam.sharded_param / unsharded_param", str(e)) from e
+    return out
+
+
+def fsdp2_detach(module: Any) -> Callable[[], None]:
+    """Make every ``fully_shard``ed module of ``module`` a plain module again: its forward hooks removed, its class
+    the original one, its state unregistered (the FSDP of an enclosing root no longer finds it). Returns the undo.
+
+    Private: ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``, the ``_composable_state``
+    mapping, ``FSDPModule._orig_cls_mro_index``."""
+    try:
+        from torch.distributed import _composable_state
+        mapping = _composable_state._module_state_mapping
+    except (ImportError, AttributeError) as e:
+        raise missing("torch", "torch.distributed._composable_state._module_state_mapping", str(e)) from e
+    plan: list[tuple[Any, type, dict, Any, list[Any], int]] = []
+    for m in fsdp2_modules(module):
+        state = _fsdp2_state(m)
+        handles = [getattr(state, n, None) for n in ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
+        index = getattr(type(m), "_orig_cls_mro_index", None)
+        if any(h is None for h in handles) or not isinstance(index, int):
+            raise missing("torch", "FSDPState._pre_forward_hook_handle / FSDPModule._orig_cls_mro_index")
+        hooks = {n: dict(getattr(m, n)) for n in _HOOK_DICTS}
+        plan.append((m, type(m), hooks, mapping.get(m), handles, index))
+    for m, cls, _, _, handles, index in plan:
+        for h in handles:
+            h.remove()
+        mapping.pop(m, None)
+        m.__class__ = cls.__mro__[index]
+
+    def undo() -> None:
+        for m, cls, hooks, entry, _, _ in reversed(plan):
+            m.__class__ = cls
+            for n, d in hooks.items():
+                getattr(m, n).clear()
+                getattr(m, n).update(d)
+            if entry is not None:
+                mapping[m] = entry
+    return undo
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+
+
+def mesh_group(mesh: Any, dim: str | None, fn: str) -> Any:
+    """The process group of ``mesh`` (a 1-D mesh, or one spanning the whole world) or of its dimension ``dim``;
+    InvalidArgumentError for a dimension it does not have, a multi-dimensional mesh that is not the whole world,
+    or a mesh this rank is not in."""
+    import torch.distributed as dist
+
+    from ..errors import InvalidArgumentError
+
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.get_coordinate() is None:
+        raise InvalidArgumentError(f"{fn}(): rank {dist.get_rank()} is not in the DeviceMesh passed as group "
+                                   f"({mesh!r:.80}); every rank that calls must be in it")
+    if dim is not None:
+        if dim not in names:
+            raise InvalidArgumentError(f"{fn}(): the DeviceMesh has no dimension {dim!r} (its dimensions: "
+                                       f"{', '.join(map(repr, names)) or 'unnamed'})")
+        return mesh.get_group(dim)
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    raise InvalidArgumentError(
+        f"{fn}(): a {mesh.ndim}-D DeviceMesh of {mesh.size()} of the world's {dist.get_world_size()} ranks: buffers "
+        "are synced over a whole mesh only when it spans the world; pass (mesh, dim) with one of "
+        f"{', '.join(map(repr, names)) or 'its dimensions'}, or a ProcessGroup")
