@@ -65,6 +65,7 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
     skip = frozenset(ignore)
     out: list[Entry] = []
     seen: set[int] = set()
+    fsdp1, _ = fsdp_kinds(module, fn)
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         for key, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
@@ -74,7 +75,7 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
                 seen.add(id(buf))
                 out.append((name, buf))
     if include_parameters:
-        if fsdp_kinds(module, fn)[0]:
+        if fsdp1:
             raise InvalidArgumentError(
                 f"{fn}(): include_parameters=True on an FSDP1 (FullyShardedDataParallel) model: FSDP1 keeps its "
                 "parameters as per-rank shards of flat parameters, which must never be broadcast; sync the buffers "

@@ -143,9 +143,13 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
         kind = "missing on some ranks" if None in cells else _which_differs([c for c in cells if c is not None])
         more = f" ({len(differing) - 1} more differing entries)" if len(differing) > 1 else ""
         texts = [c.text() if c is not None else "missing" for c in cells]
+        meta = any(c is not None and c.device == "meta" for c in cells) and \
+            any(c is not None and c.device != "meta" for c in cells)
+        hint = " Some ranks hold meta tensors (no data): broadcast_buffers(module, src, materialize=True) allocates " \
+            "them like the source's." if meta else ""
         return BufferStructureError(
             f"{what}: buffer structure differs across ranks at '{name}' ({kind}): {by_value(ranks, texts)}{more}. "
-            "No buffer was modified.", name, dict(zip(ranks, texts)))
+            f"No buffer was modified.{hint}", name, dict(zip(ranks, texts)))
     names = [[s.name for s in ss] for _, ss in structures]
     pos = next(i for i in range(len(names[0])) if any(ns[i] != names[0][i] for ns in names))
     texts = [f"'{ns[pos]}' at position {pos}" for ns in names]

@@ -100,7 +100,7 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     if g is None and _group.initialized() and group is not None:
         return 0  # not a member of the group
     inner = _modules.unwrap(model, _FN)
-    refuse_fsdp1(inner, _FN)
+    refuse_fsdp1(model, _FN)
     result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
                              forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN))
     return 0 if result is None else write(*result)

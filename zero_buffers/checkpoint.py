@@ -68,7 +68,7 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     _group.check_src(g, src, fn)  # before any collective, whatever the policy
     inner = _modules.unwrap(model, fn)
     if policy == "recompute":
-        bn_recompute.refuse_fsdp1(inner, fn)
+        bn_recompute.refuse_fsdp1(model, fn)
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0

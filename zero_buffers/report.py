@@ -120,7 +120,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     skip = _args.ignore(ignore, fn)
     deadline = _wire.Deadline(_args.timeout(timeout, fn))
     g = _group.resolve(group, fn)
-    entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters)
+    entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     transient = _modules.non_persistent_names(module)
 
     def row(name: str, t: torch.Tensor, **verdict: Any) -> BufferRow:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -237,43 +238,72 @@ def fsdp2_full_tensors(module: Any) -> dict[int, torch.Tensor]:
 
 
 def fsdp2_detach(module: Any) -> Callable[[], None]:
-    """Make every ``fully_shard``ed module of ``module`` a plain module again: its forward hooks removed, its class
-    the original one, its state unregistered (the FSDP of an enclosing root no longer finds it). Returns the undo.
+    """Make every ``fully_shard``ed module of ``module`` a plain module again: its forward hooks and its parameter
+    groups' state-dict hooks removed, its class the original one, its state unregistered (the FSDP of an enclosing
+    root no longer finds it). Returns the undo.
 
-    Private: ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``, the ``_composable_state``
-    mapping, ``FSDPModule._orig_cls_mro_index``."""
+    Private: ``FSDPState._pre_forward_hook_handle`` / ``_post_forward_hook_handle``,
+    ``FSDPParamGroup._module_to_pre_save_state_dict_hook_handle`` / ``..._pre_load_...``,
+    ``FSDPParam._post_load_hook_handle``, the composable contract's ``STATE_KEY`` / ``REGISTRY_KEY``, the
+    ``_composable_state`` mapping, ``FSDPModule._orig_cls_mro_index``."""
     try:
         from torch.distributed import _composable_state
+        contract = importlib.import_module("torch.distributed._composable.contract")  # not the same-named function
         mapping = _composable_state._module_state_mapping
+        keys = (contract.STATE_KEY, contract.REGISTRY_KEY)  # where fully_shard's contract keeps its per-module state
     except (ImportError, AttributeError) as e:
-        raise missing("torch", "torch.distributed._composable_state._module_state_mapping", str(e)) from e
-    plan: list[tuple[Any, type, dict, Any, list[Any], int]] = []
+        raise missing("torch", "torch.distributed._composable_state._module_state_mapping / "
+                      "_composable.contract.STATE_KEY", str(e)) from e
+    handles: list[Any] = []
+    touched: dict[int, Any] = {}
+    classes: list[tuple[Any, type, type, Any, dict]] = []
     for m in fsdp2_modules(module):
         state = _fsdp2_state(m)
-        handles = [getattr(state, n, None) for n in ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
+        forward = [getattr(state, n, None) for n in ("_pre_forward_hook_handle", "_post_forward_hook_handle")]
         index = getattr(type(m), "_orig_cls_mro_index", None)
-        if any(h is None for h in handles) or not isinstance(index, int):
+        if any(h is None for h in forward) or not isinstance(index, int):
             raise missing("torch", "FSDPState._pre_forward_hook_handle / FSDPModule._orig_cls_mro_index")
-        hooks = {n: dict(getattr(m, n)) for n in _HOOK_DICTS}
-        plan.append((m, type(m), hooks, mapping.get(m), handles, index))
-    for m, cls, _, _, handles, index in plan:
-        for h in handles:
-            h.remove()
+        handles += forward
+        touched[id(m)] = m
+        for group in state._fsdp_param_groups:
+            for table in ("_module_to_pre_save_state_dict_hook_handle", "_module_to_pre_load_state_dict_hook_handle"):
+                found = getattr(group, table, None)
+                if not isinstance(found, dict):
+                    raise missing("torch", f"FSDPParamGroup.{table}")
+                handles += found.values()
+                touched.update({id(k): k for k in found})
+            for fp in group.fsdp_params:  # each parameter's load_state_dict post-hook (it re-pads the shard)
+                post, info = getattr(fp, "_post_load_hook_handle", None), getattr(fp, "_module_info", None)
+                if post is None or info is None:
+                    raise missing("torch", "FSDPParam._post_load_hook_handle / _module_info")
+                handles.append(post)
+                touched[id(info.module)] = info.module
+        classes.append((m, type(m), type(m).__mro__[index], mapping.get(m), {k: m.__dict__[k] for k in keys
+                                                                              if k in m.__dict__}))
+    saved = [(t, {n: dict(getattr(t, n)) for n in _HOOK_DICTS}) for t in touched.values()]
+    for h in handles:
+        h.remove()
+    for m, _, original, _, contracts in classes:
         mapping.pop(m, None)
-        m.__class__ = cls.__mro__[index]
+        for k in contracts:
+            del m.__dict__[k]
+        m.__class__ = original
 
     def undo() -> None:
-        for m, cls, hooks, entry, _, _ in reversed(plan):
-            m.__class__ = cls
+        for t, hooks in saved:
             for n, d in hooks.items():
-                getattr(m, n).clear()
-                getattr(m, n).update(d)
+                getattr(t, n).clear()
+                getattr(t, n).update(d)
+        for m, cls, _, entry, contracts in classes:
+            m.__class__ = cls
+            m.__dict__.update(contracts)
             if entry is not None:
                 mapping[m] = entry
     return undo
 
 
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs")
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 def mesh_group(mesh: Any, dim: str | None, fn: str) -> Any:
