@@ -58,6 +58,16 @@ def test_buffers_diverge_shows_the_bug_and_each_fix(nproc):
     assert len(fixes) == 2 and all("0/6" in f and f.rstrip().endswith("yes") for f in fixes) and lines
 
 
+def test_fsdp2_repro_shows_each_bug_and_its_fix():
+    out = _cli("repro", "fsdp2_buffers", "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
+    assert "RESULT: all fixes hold" in out.stdout and "2 ranks" in out.stdout
+    assert [r[:3] for r in rows] == ["BUG", "FIX"] * 5 and all(r.rstrip().endswith("yes") for r in rows)
+    frozen = [r for r in rows if "all-gathers/forward" in r]
+    assert "0 all-gathers" not in frozen[0] and "0 all-gathers" in frozen[1]
+
+
 def test_unknown_repro_is_a_usage_error():
     out = _cli("repro", "no_such_script")
     assert out.returncode == 2 and "unknown repro 'no_such_script'" in out.stderr
