@@ -493,3 +493,64 @@ def _peer_dies(rank, world):
     except zb.ZeroBuffersError as e:
         err = (type(e).__name__, str(e))
     return err, all(bitwise_equal(before[n], b) for n, b in model.named_buffers())
+
+
+# ============================================================================================ Accelerate's FSDP path
+
+def _accelerate_fsdp2(rank, world, folder):
+    import os
+
+    from accelerate.state import AcceleratorState
+    env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    try:
+        return _accelerate_fsdp2_body(rank, folder)
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _accelerate_fsdp2_body(rank, folder):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, FullyShardedDataParallelPlugin
+    out = {}
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+                              kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+    out["distributed_type"] = str(accelerator.distributed_type)  # on CPU Accelerate drops the plugin: MULTI_CPU
+    model = _shard(_resnet())  # so the FSDP2 model is sharded by hand, as the plugin would on GPUs
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model(pixel_values=_images(rank, 4)).logits.square().mean().backward()
+    opt.step()
+    out["before"] = _stats(model)
+    hook = zb.sync_buffers_on_save(accelerator, "average")
+    try:
+        state = accelerator.get_state_dict(model)  # every rank builds an FSDP state dict: the hook syncs first
+    finally:
+        hook.remove()
+    out["saved"] = {k: (v.full_tensor() if _is_dtensor(v) else v).detach().clone() for k, v in state.items()
+                    if "running" in k or "num_batches" in k}
+    # the path Accelerate does run on CPU with the FSDP plugin: DDP, save_state on every rank
+    plain = accelerator.prepare(_resnet())
+    plain(pixel_values=_images(rank, 4, 5)).logits.sum().backward()
+    out["ddp_before"] = _stats(accelerator.unwrap_model(plain))
+    with zb.sync_buffers_on_save(accelerator, "average"):
+        accelerator.save_state(folder)
+    return out
+
+
+def test_sync_buffers_on_save_on_accelerates_fsdp_path_as_far_as_it_runs_on_cpu(ranks2):
+    with tempfile.TemporaryDirectory() as folder:
+        out = ranks2.run(_accelerate_fsdp2, folder, timeout=TIMEOUT)
+        from safetensors.torch import load_file
+        ddp_saved = load_file(f"{folder}/model.safetensors")
+    assert [o["distributed_type"] for o in out] == ["DistributedType.MULTI_CPU"] * 2
+    for key, before in (("saved", "before"), ("ddp", "ddp_before")):
+        locals_ = [o[before] for o in out]
+        saved = out[0]["saved"] if key == "saved" else {k.removeprefix("module."): v for k, v in ddp_saved.items()}
+        for name in out[0][before]:
+            n, mean, var = _mixture(locals_, name)
+            assert int(saved[f"{name}.num_batches_tracked"]) == int(n.sum())
+            torch.testing.assert_close(saved[f"{name}.running_mean"].double(), mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(saved[f"{name}.running_var"].double(), var, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(out[1]["saved"][k], v) for k, v in out[0]["saved"].items())

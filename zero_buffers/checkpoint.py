@@ -220,7 +220,8 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
 
     - Accelerator: ``save_state`` (DDP, DeepSpeed and single-process paths; every prepared model is
       synced before anything is written, which Accelerate's save-state "pre" hooks cannot do: they run
-      after the DeepSpeed save) and ``get_state_dict`` / ``save_model`` for ZeRO-3 engines. On the DDP
+      after the DeepSpeed save) and ``get_state_dict`` / ``save_model`` for ZeRO-3 engines and FSDP1 / FSDP2
+      models (every rank calls those there: their state dicts are gathered). On the DDP
       path ``get_state_dict`` / ``save_model`` are often called on the main process only, where a sync
       would hang: they warn (:class:`ZeroBuffersWarning`, once per process) that they write this rank's
       buffers; call :func:`sync_buffers` on every rank before them.
@@ -252,9 +253,11 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
             if name == "save_state":
                 for model in acc_compat.prepared_models(acc):
                     sync_buffers(model, policy, **options)
-            else:  # get_state_dict / save_model(model, ...): collective only when the model is a ZeRO-3 engine
+            else:  # get_state_dict / save_model(model, ...): collective only for a ZeRO-3 engine or an FSDP model,
+                # whose state dict every rank must build anyway
                 model = args[0] if args else kwargs.get("model")
-                if model is not None and ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model):
+                if model is not None and (ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model)
+                                          or isinstance(model, nn.Module) and any(_modules.fsdp_kinds(model, name))):
                     sync_buffers(model, policy, **options)
                 else:
                     _notice.warn(
