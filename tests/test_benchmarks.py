@@ -25,7 +25,8 @@ def test_quick_benchmarks_write_every_output(tmp_path):
                             "recompute_modes", "fsdp2"}
     fsdp2 = {r["what"]: r for r in results["fsdp2"]}
     assert {"broadcast_buffers", "buffer_report", "frozen forward 1x3x4x16x16"} == set(fsdp2)
-    assert all(fsdp2[w][k] > 0 for w in ("broadcast_buffers", "buffer_report") for k in ("plain", "fully_shard", "zero3"))
+    assert all(fsdp2[w][k] > 0 for w in ("broadcast_buffers", "buffer_report")
+               for k in ("plain", "fully_shard", "zero3"))
     modes = {r["method"]: r for r in results["recompute_modes"]}
     assert {"plain forward passes", "recompute_bn_stats", "recompute_bn_stats(global_batch=True)",
             "layer by layer (not shipped)"} < set(modes) and modes["passes over the data"]["layer_by_layer"] == 36
