@@ -257,7 +257,8 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
                 # whose state dict every rank must build anyway
                 model = args[0] if args else kwargs.get("model")
                 zero3 = model is not None and ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model)
-                if zero3 or (isinstance(model, nn.Module) and any(_modules.fsdp_kinds(model, name))):
+                if model is not None and (zero3 or (isinstance(model, nn.Module)
+                                                    and any(_modules.fsdp_kinds(model, name)))):
                     sync_buffers(model, policy, **options)
                 else:
                     _notice.warn(
