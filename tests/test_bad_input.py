@@ -139,10 +139,10 @@ CASES: dict[str, tuple] = {
     "ignore=None": ("ignore", _model, {"ignore": None}, zb.InvalidArgumentError,
                     r"^{fn}\(\): ignore must be a collection of str, got NoneType$"),
     "group=int": ("group", _model, {"group": 5}, zb.InvalidArgumentError,
-                  r"^{fn}\(\): group must be a torch.distributed ProcessGroup \(or None for the default group\), "
-                  r"got int 5$"),
+                  r"^{fn}\(\): group must be a torch.distributed ProcessGroup, a DeviceMesh, \(DeviceMesh, dimension "
+                  r"name\) or None for the default group, got int 5$"),
     "group=list of ranks": ("group", _model, {"group": [0, 1]}, zb.InvalidArgumentError,
-                            r"^{fn}\(\): group must be a torch.distributed ProcessGroup .*got list \[0, 1\]$"),
+                            r"^{fn}\(\): group must be a torch.distributed ProcessGroup, .*got list \[0, 1\]$"),
     "num_batches=-1": ("num_batches", _model, {"num_batches": -1}, zb.InvalidArgumentError,
                        r"^{fn}\(\): num_batches must be None or an int >= 0, got -1$"),
     "num_batches=1.5": ("num_batches", _model, {"num_batches": 1.5}, zb.InvalidArgumentError,

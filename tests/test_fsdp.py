@@ -313,6 +313,12 @@ def _mesh_groups(rank, world):
         out["replicate"] = _buffers(model)
         zb.average_bn_stats(model, group=mesh)  # a mesh alone: every rank of the mesh (here the world)
         out["whole"] = _buffers(model)
+        from torch.distributed.device_mesh import DeviceMesh
+        half = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("dp",))  # every rank builds it, 2 and 3 are out
+        try:
+            out["half"] = zb.broadcast_buffers(_trained(rank), group=half)
+        except zb.InvalidArgumentError as e:
+            out["half"] = str(e)
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         model = _trained(rank, mesh)
@@ -336,6 +342,8 @@ def test_group_may_be_a_device_mesh_or_one_of_its_dimensions(ranks):
             assert all(bitwise_equal(out[a]["replicate"][n], out[b]["replicate"][n]) for n in out[a]["replicate"])
         diverged = [n for n in out[0]["replicate"] if not bitwise_equal(out[0]["replicate"][n], out[1]["replicate"][n])]
         assert diverged  # the other dimension was left alone
+        assert out[0]["half"] == out[1]["half"] == len(out[0]["whole"])
+        assert all(f"rank {r} is not in the DeviceMesh" in out[r]["half"] for r in (2, 3))
     for o in out:
         assert all(bitwise_equal(o["whole"][n], out[0]["whole"][n]) for n in o["whole"])
         assert len(o["errors"]) == 2 and "no dimension 'tp'" in o["errors"][0] and "dimension name" in o["errors"][1]

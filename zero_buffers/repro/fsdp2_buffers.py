@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import zero_buffers as zb
-from _common import Table, all_ranks, setup
+from _common import Table, setup
+
+DEVICE = torch.device("cpu")  # set by main(): CPU with gloo, one GPU per rank with nccl
 
 
 class Net(nn.Module):
@@ -38,6 +40,8 @@ class Net(nn.Module):
 
 
 def sharded(model: nn.Module) -> nn.Module:
+    if not any(t.is_meta for t in model.parameters()):
+        model.to(DEVICE)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
@@ -46,19 +50,26 @@ def sharded(model: nn.Module) -> nn.Module:
 
 def images(rank: int, n: int = 16, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * seed + rank)
-    return torch.randn(n, 3, 8, 8, generator=g) * (1 + rank) + 2.0 * rank  # each rank its own "site"
+    return (torch.randn(n, 3, 8, 8, generator=g) * (1 + rank) + 2.0 * rank).to(DEVICE)  # each rank its own site
 
 
 def outputs_differ(model: nn.Module) -> float:
     """Largest difference between any rank's eval output on the same input and rank 0's."""
     model.eval()
     with torch.no_grad():
-        out = model(torch.ones(2, 3, 8, 8))
+        out = model(torch.ones(2, 3, 8, 8, device=DEVICE))
     ref = out.clone()
     dist.broadcast(ref, 0)
-    diff = torch.tensor([float((out - ref).abs().max())])
+    diff = torch.tensor([float((out - ref).abs().max())], device=DEVICE)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return float(diff)
+
+
+def on_every_rank(flag: bool) -> bool:
+    """True when ``flag`` holds on every rank."""
+    t = torch.tensor([int(flag)], device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def differing(model: nn.Module) -> int:
@@ -78,7 +89,7 @@ def init_rows(table: Table, rank: int) -> None:
 def meta_rows(table: Table, rank: int) -> None:
     torch.manual_seed(0)
     if rank == 0:
-        model = Net()
+        model = Net().to(DEVICE)
         full = model.state_dict()
     else:
         with torch.device("meta"):
@@ -86,9 +97,9 @@ def meta_rows(table: Table, rank: int) -> None:
         full = {}
     sharded(model)
     if rank:
-        model.to_empty(device="cpu")
+        model.to_empty(device=DEVICE)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    ok = all_ranks(rank == 0 or not torch.equal(model.table, Net().table))
+    ok = on_every_rank(rank == 0 or not torch.equal(model.table, Net().table.to(DEVICE)))
     n = differing(model)
     table.add("BUG", "meta init + to_empty + set_model_state_dict(rank 0)", [n, "garbage table"], ok and n > 0)
     zb.broadcast_buffers(model)
@@ -96,16 +107,16 @@ def meta_rows(table: Table, rank: int) -> None:
     table.add("FIX", "broadcast_buffers(model)", [n, diff], n == 0 and diff == 0)
 
     torch.manual_seed(0)
-    with torch.device("cpu" if rank == 0 else "meta"):
+    with torch.device(DEVICE if rank == 0 else "meta"):
         plain = Net()
     on_meta = sum(b.is_meta for b in plain.buffers())
-    metas = torch.tensor([on_meta])
+    metas = torch.tensor([on_meta], device=DEVICE)
     dist.all_reduce(metas)
     table.add("BUG", "buffers left on meta (rank 0 real)", [f"{int(metas)} on meta", "no data"], int(metas) > 0)
     zb.broadcast_buffers(plain, materialize=True, include_parameters=True)
     n, diff = differing(plain), outputs_differ(plain)
     table.add("FIX", "broadcast_buffers(materialize=True)", [n, diff],
-              n == 0 and diff == 0 and all_ranks(not any(b.is_meta for b in plain.buffers())))
+              n == 0 and diff == 0 and on_every_rank(not any(b.is_meta for b in plain.buffers())))
 
 
 def dcp_rows(table: Table, rank: int, world: int) -> None:
@@ -118,7 +129,7 @@ def dcp_rows(table: Table, rank: int, world: int) -> None:
         model(images(rank, seed=step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    local = [(m.num_batches_tracked.item(), m.running_mean.double().clone(), m.running_var.double().clone())
+    local = [(m.num_batches_tracked.item(), m.running_mean.double().cpu(), m.running_var.double().cpu())
              for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     gathered: list = [None] * world
     dist.all_gather_object(gathered, local)
@@ -127,7 +138,7 @@ def dcp_rows(table: Table, rank: int, world: int) -> None:
     zb.sync_buffers(model, "average")
     dcp.save(get_model_state_dict(model), checkpoint_id=f"{folder[0]}/synced")
     errors = [_saved_error(f"{folder[0]}/{name}", merged) if rank == 0 else 0.0 for name in ("as_is", "synced")]
-    err = torch.tensor(errors)
+    err = torch.tensor(errors, device=DEVICE)
     dist.broadcast(err, 0)
     table.add("BUG", "dcp.save of diverged BN stats (one rank's per entry)", [f"{world} ranks", float(err[0])],
               float(err[0]) > 1e-3)
@@ -188,7 +199,7 @@ def _counted(model: nn.Module) -> int:
     try:
         model.eval()
         with torch.no_grad():
-            model(torch.ones(1, 3, 8, 8))
+            model(torch.ones(1, 3, 8, 8, device=DEVICE))
     finally:
         for n in names:
             setattr(dist, n, real[n])
@@ -196,8 +207,10 @@ def _counted(model: nn.Module) -> int:
 
 
 def main() -> None:
-    rank, world, _ = setup()
-    table = Table(f"fsdp2_buffers: {world} ranks, fully_shard on gloo/CPU (torch {torch.__version__})",
+    global DEVICE
+    rank, world, DEVICE = setup()
+    table = Table(f"fsdp2_buffers: {world} ranks, fully_shard on {dist.get_backend()}/{DEVICE.type} "
+                  f"(torch {torch.__version__})",
                   ["buffers differing / what", "max diff across ranks (DCP: vs the merge)"])
     init_rows(table, rank)
     meta_rows(table, rank)
