@@ -441,11 +441,23 @@ def _fsdp1_and_bad_input(rank, world):
     out["before"] = {"1": (int(inner[1].num_batches_tracked), inner[1].running_mean.double().clone(),
                            inner[1].running_var.double().clone())}
     zb.average_bn_stats(model)
+    out["averaged"] = (inner[1].running_mean.double().clone(), inner[1].running_var.double().clone())
+    # recompute: rank r has r batches (rank 0 none); the forwards run on the full parameters, no collective in them
+    data = [torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * r + i)) + r
+            for r in range(world) for i in range(r)]
+    mine = [torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + i)) + rank for i in range(rank)]
+    with FullyShardedDataParallel.summon_full_params(model), torch.no_grad():
+        x = torch.cat([inner[0](b) for b in data]).double()
+    out["population"] = (x.mean(0), x.var(0))
+    out["written"] = zb.recompute_bn_stats(model, mine)
+    out["recomputed"] = (inner[1].running_mean.double().clone(), inner[1].running_var.double().clone())
+    out["sync_recompute"] = zb.sync_buffers(model, "recompute", data=mine)
+    model(torch.randn(6, 4)).sum().backward()  # FSDP1 still trains
+    out["trained"] = inner[1].running_mean.double().clone()
+    zb.average_bn_stats(model)
     out["after"] = (inner[1].running_mean.double().clone(), inner[1].running_var.double().clone())
     errors = {}
-    calls = {"include_parameters": lambda: zb.broadcast_buffers(model, include_parameters=True),
-             "recompute": lambda: zb.recompute_bn_stats(model, [torch.randn(2, 4)]),
-             "sync_recompute": lambda: zb.sync_buffers(model, "recompute", data=[torch.randn(2, 4)])}
+    calls = {"include_parameters": lambda: zb.broadcast_buffers(model, include_parameters=True)}
     mixed = nn.ModuleDict({"a": FullyShardedDataParallel(nn.Linear(2, 2), device_id=torch.device("cpu")),
                            "b": nn.Linear(2, 2)})
     fully_shard(mixed["b"])
@@ -467,17 +479,21 @@ def _fsdp1_and_bad_input(rank, world):
     return out
 
 
-def test_fsdp1_buffers_sync_and_every_bad_tree_is_refused_by_name_on_every_rank(ranks):
+def test_fsdp1_buffers_sync_recompute_runs_on_full_parameters_and_bad_trees_are_refused_by_name(ranks):
     out = ranks.run(_fsdp1_and_bad_input, timeout=TIMEOUT)
     assert out[0]["names"] == ["1.running_mean", "1.running_var"]  # FSDP1's _fsdp_wrapped_module. left out
     _n, mean, var = _mixture([o["before"] for o in out], "1")
+    pop_mean, pop_var = out[0]["population"]
     for o in out:
-        torch.testing.assert_close(o["after"][0], mean, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(o["after"][1], var, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(o["averaged"][0], mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(o["averaged"][1], var, rtol=1e-5, atol=1e-6)
+        assert o["written"] == 1 and o["sync_recompute"] == 3
+        torch.testing.assert_close(o["recomputed"][0], pop_mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o["recomputed"][1], pop_var, rtol=1e-4, atol=1e-5)
+        assert torch.equal(o["recomputed"][0], out[0]["recomputed"][0])
         e = o["errors"]
         assert e == out[0]["errors"] and o["unchanged"]
         assert "FSDP1" in e["include_parameters"] and "flat parameters" in e["include_parameters"]
-        assert "FSDP1" in e["recompute"] and "FSDP1" in e["sync_recompute"]
         assert "mixes FSDP1" in e["mixed"] and "'a'" in e["mixed"] and "'b'" in e["mixed"]
         assert "DTensors" in e["dtensor_buffer"] and "'table'" in e["dtensor_buffer"]
 

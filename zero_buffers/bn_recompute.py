@@ -71,9 +71,9 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     gather/release hooks are suspended, so no forward issues a collective: a rank whose data or
     forward fails cannot leave its peers waiting inside a forward. Any other collective in the model's
     own forward is not supported. A ``fully_shard`` (FSDP2) model is likewise unsharded once, whole (one
-    all-gather per FSDP module, then no collective in any forward), and resharded afterwards; FSDP1
-    (``FullyShardedDataParallel``) models raise :class:`InvalidArgumentError` (each unit all-gathers in its
-    forward; use :func:`average_bn_stats` or FSDP2).
+    all-gather per FSDP module, then no collective in any forward), and resharded afterwards; an FSDP1
+    (``FullyShardedDataParallel``) model runs inside ``summon_full_params(writeback=False)`` with each unit's
+    forward bypassed (its wrapped module's forward runs; FSDP1's input casts do not).
 
     Afterwards every module's train/eval mode is restored, momentum is never touched, every buffer
     other than the BatchNorm statistics (EMA codebooks, step counters) gets its old value back, and
@@ -100,9 +100,8 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     if g is None and _group.initialized() and group is not None:
         return 0  # not a member of the group
     inner = _modules.unwrap(model, _FN)
-    refuse_fsdp1(model, _FN)
     result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
-                             forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN))
+                             forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN), outer=model)
     return 0 if result is None else write(*result)
 
 
@@ -115,15 +114,6 @@ def check_options(num_batches: Any, forward: Any) -> None:
         raise InvalidArgumentError(f"{_FN}(): forward must be a callable (model, batch) -> output, got {forward!r}")
 
 
-def refuse_fsdp1(inner: nn.Module, fn: str) -> None:
-    """InvalidArgumentError for an FSDP1 model (at the call, before any collective)."""
-    if _modules.fsdp_kinds(inner, fn)[0]:
-        raise InvalidArgumentError(
-            f"{fn}(): recomputing BatchNorm statistics of an FSDP1 (FullyShardedDataParallel) model is not supported: "
-            "each FSDP1 unit all-gathers in its forward, so ranks with different numbers of batches would deadlock. "
-            "Use average_bn_stats / sync_buffers(model, 'average'), or fully_shard (FSDP2), which recompute supports")
-
-
 Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
 """The layers, their all-reduced [calls, n, s1, s2] per layer, and the world size: what :func:`write` needs."""
 
@@ -131,18 +121,20 @@ Sums = tuple[list[_modules.BatchNorm], torch.Tensor, int]
 def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadline: _wire.Deadline, *,
                     num_batches: int | None = None, progress: bool | None = None,
                     device: torch.device | str | None = None,
-                    forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> Sums | None:
+                    forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False,
+                    outer: nn.Module | None = None) -> Sums | None:
     """The passes and the all-reduce, with every buffer as it was afterwards (nothing is written); None when the model
-    has no tracking BatchNorm. Raises RecomputeError on every rank when a rank failed or no rank had a batch."""
+    has no tracking BatchNorm. Raises RecomputeError on every rank when a rank failed or no rank had a batch.
+    ``outer``: the model as the caller passed it (an FSDP1 root unit is summoned through it)."""
     progress = _args.progress(progress, _FN)
     bns = _modules.tracking_bn(inner)
     entries = _modules.bn_stat_entries(bns)
     zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
-    fsdp2 = bool(torch_compat.fsdp2_modules(inner))
+    fsdp1, fsdp2 = _modules.fsdp_kinds(outer if outer is not None else inner, _FN)
     lazy = [n for n, t in entries if is_lazy(t)]
     if g is not None:
         described = [(n, _structure.Spec(n, "uninitialised", (), "lazy") if is_lazy(t) else t) for n, t in entries]
-        _structure.agree(g, (_FN, bool(zero), fsdp2, global_batch), described, deadline, _FN)
+        _structure.agree(g, (_FN, bool(zero), fsdp1, fsdp2, global_batch), described, deadline, _FN)
     if lazy:
         raise InvalidArgumentError(f"{_FN}(): lazy BatchNorm '{lazy[0]}' is not initialised yet; run one forward first")
     if g is not None:
@@ -161,7 +153,7 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     plain = [bn for bn in bns if not isinstance(bn.module, _InstanceNorm)]
     lockstep = _global_bn.Lockstep(g, plain, deadline, _FN) if global_batch and g is not None and plain else None
     try:
-        with _passes(inner, bns, acc, saved_other, zero, fsdp2):
+        with _passes(inner, bns, acc, saved_other, zero, fsdp2, outer if fsdp1 else None):
             runner = _Runner(inner, acc, forward, device)
             if lockstep is not None:
                 with lockstep.patched():
@@ -297,10 +289,10 @@ def _local_sync_bn_forward(self: nn.SyncBatchNorm, input: torch.Tensor) -> torch
 @contextlib.contextmanager
 def _passes(inner: nn.Module, bns: list[_modules.BatchNorm], acc: _Accumulators,
             saved_other: list[tuple[torch.Tensor, torch.Tensor]], zero: Sequence[torch.Tensor],
-            fsdp2: bool) -> Iterator[None]:
+            fsdp2: bool, fsdp1_root: nn.Module | None) -> Iterator[None]:
     """Train mode, hooks, local SyncBatchNorm, a forked RNG and the whole model gathered (ZeRO-3: the engine's
-    gather/release hooks suspended; FSDP2: every module unsharded and kept so), for the passes; everything put
-    back on exit."""
+    gather/release hooks suspended; FSDP2: every module unsharded and kept so; FSDP1: every unit's full parameters,
+    its forward bypassed), for the passes; everything put back on exit."""
     modes = [(m, m.training) for m in inner.modules()]
     handles = [bn.module.register_forward_pre_hook(acc.hook(i)) for i, bn in enumerate(bns)]
     patched: list[tuple[nn.Module, Any]] = []
@@ -311,7 +303,8 @@ def _passes(inner: nn.Module, bns: list[_modules.BatchNorm], acc: _Accumulators,
     cuda = sorted({t.device.index or 0 for t in [*inner.parameters(), *inner.buffers()] if t.device.type == "cuda"})
     gathered = ds_compat.Gather(zero) if zero else contextlib.nullcontext()
     suspended = ds_compat.zero3_hooks_suspended(inner) if zero else contextlib.nullcontext()
-    unsharded = torch_compat.fsdp2_unsharded(inner) if fsdp2 else contextlib.nullcontext()
+    unsharded = torch_compat.fsdp2_unsharded(inner) if fsdp2 else \
+        torch_compat.fsdp1_unsharded(fsdp1_root) if fsdp1_root is not None else contextlib.nullcontext()
     try:
         with gathered, suspended, unsharded, torch.random.fork_rng(devices=cuda), torch.no_grad():
             inner.train()

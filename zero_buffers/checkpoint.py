@@ -67,8 +67,6 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     g = _group.resolve(group, fn)
     _group.check_src(g, src, fn)  # before any collective, whatever the policy
     inner = _modules.unwrap(model, fn)
-    if policy == "recompute":
-        bn_recompute.refuse_fsdp1(model, fn)
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0
@@ -84,7 +82,7 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     if policy == "recompute":  # the passes and their all-reduce; nothing is written before the commit below
         _structure.agree(g, (fn, policy, src, "before the passes"), _modules.named_buffers(inner), deadline, fn)
         sums = bn_recompute.population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress,
-                                            device=device, forward=forward, global_batch=global_batch)
+                                            device=device, forward=forward, global_batch=global_batch, outer=model)
     return _commit(g, inner, policy, src, sums, deadline, fn)
 
 

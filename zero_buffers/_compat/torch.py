@@ -163,6 +163,33 @@ def fsdp1_managed(module: Any) -> set[int]:
     return out
 
 
+@contextlib.contextmanager
+def fsdp1_unsharded(module: Any) -> Iterator[None]:
+    """FSDP1: every unit of ``module`` (the module as the caller passed it, root unit included) holds its full
+    parameters (``summon_full_params(writeback=False)``: one all-gather per unit, every rank must enter), and each
+    unit's forward is its wrapped module's, so forwards issue no collective. Private: ``_fsdp_wrapped_module``."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        units = FullyShardedDataParallel.fsdp_modules(module)
+    except (ImportError, AttributeError) as e:  # pragma: no cover - every torch zero_buffers supports has them
+        raise missing("torch", "FullyShardedDataParallel.fsdp_modules", str(e)) from e
+    wrapped: list[Any] = [getattr(u, "_fsdp_wrapped_module", None) for u in units]
+    if any(not callable(getattr(w, "forward", None)) for w in wrapped):
+        raise missing("torch", "FullyShardedDataParallel._fsdp_wrapped_module")
+    with FullyShardedDataParallel.summon_full_params(module, writeback=False):
+        saved = [(u, u.__dict__.get("forward")) for u in units]
+        for u, w in zip(units, wrapped):
+            u.__dict__["forward"] = w.forward
+        try:
+            yield
+        finally:
+            for u, old in saved:
+                if old is None:
+                    u.__dict__.pop("forward", None)
+                else:
+                    u.__dict__["forward"] = old
+
+
 def _fsdp2_state(module: Any) -> Any:
     """``fully_shard.state(module)``: the FSDPState holding a module's parameter groups and forward hooks."""
     try:
