@@ -66,7 +66,8 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    """Each parameter as this rank holds it: its DTensor shard, or the plain tensor of an unsharded group."""
+    return {n: (p.to_local() if _is_dtensor(p) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _is_dtensor(t) -> bool:
@@ -97,16 +98,27 @@ def _population(plain: nn.Module, batches: list[torch.Tensor]) -> tuple[torch.Te
 
 # ============================================================================================ every tool under FSDP2
 
+def _unevenly_unsharded(model: nn.Module, rank: int) -> None:
+    """An eval forward leaves the root unsharded on every rank; a rank-0-only state_dict() reshards it there alone."""
+    model.eval()
+    with torch.no_grad():
+        model(pixel_values=_images(rank, 2, 50))
+    model.train()
+    if rank == 0:
+        model.state_dict()
+
+
 def _tools_on_fully_shard(rank, world):
     model = _trained(rank)
-    shards = _local_shards(model)
     out = {"stats": _stats(model), "dtensor_params": all(_is_dtensor(p) for p in model.parameters())}
+    _unevenly_unsharded(model, rank)  # the root's parameters now plain on some ranks: still FSDP's, never synced
+    shards = _local_shards(model)
     report = zb.buffer_report(model)
     out["report_diverged"] = sorted(r.name for r in report.out_of_sync)
     # include_parameters=True: the sharded (DTensor) parameters are not plain tensors: never broadcast
     out["synced_with_params"] = zb.broadcast_buffers(model, src=world - 1, include_parameters=True)
     out["after_broadcast"] = _buffers(model)
-    out["shards_kept"] = all(bitwise_equal(shards[n], p.to_local()) for n, p in model.named_parameters())
+    out["shards_kept"] = all(bitwise_equal(shards[n], t) for n, t in _local_shards(model).items())
     # average_bn_stats from the trained statistics (the broadcast made them equal: train one more step first)
     model = _trained(rank)
     out["before_average"] = _stats(model)
@@ -118,16 +130,44 @@ def _tools_on_fully_shard(rank, world):
     every = [_images(r, 3, 10 + i) for r in range(world) if r != 1 for i in range(r + 1)]
     plain = _full_copy(model)
     out["population"] = _population(plain, every)
-    shards = _local_shards(model)
+    shards = _local_shards(model)  # every group sharded (after the backward)
+    _unevenly_unsharded(model, rank)  # the unshard must still be one all-gather per group on every rank
     out["written"] = zb.recompute_bn_stats(model, batches, forward=_forward)
     out["recomputed"] = _buffers(model)
     out["written_global"] = zb.recompute_bn_stats(model, batches, forward=_forward, global_batch=True)
     out["recomputed_global"] = _buffers(model)
     out["still_sharded"] = all(_is_dtensor(p) for p in model.parameters()) and \
-        all(bitwise_equal(shards[n], p.to_local()) for n, p in model.named_parameters())
+        all(bitwise_equal(shards[n], t) for n, t in _local_shards(model).items())
+    # a forward that raises on one rank: RecomputeError on every rank, nothing written, FSDP's state recovered
+    before = _buffers(model)
+
+    def failing(m, batch):
+        if rank == world - 1:
+            raise ValueError("bad batch")
+        return m(pixel_values=batch)
+    try:
+        zb.recompute_bn_stats(model, [_images(rank, 2, 7)], forward=failing)
+        out["failed"] = None
+    except zb.RecomputeError as e:
+        out["failed"] = str(e)
+    out["failed_unchanged"] = all(bitwise_equal(before[n], b) for n, b in model.named_buffers())
     # the model still trains under FSDP2 afterwards, and sync_buffers accepts it too
     model(pixel_values=_images(rank, 2, 99)).logits.sum().backward()
     out["sync_average"] = zb.sync_buffers(model, "average")
+    # recompute as the very first FSDP operation (it runs the root's lazy init): training afterwards as usual
+    fresh = _shard(_resnet())
+    zb.recompute_bn_stats(fresh, [_images(rank, 2, 8)], forward=_forward)
+    from torch.distributed.fsdp import fully_shard
+    out["root_keeps_params"] = all(g.post_forward_mesh_info is None for g in fully_shard.state(fresh)
+                                   ._fsdp_param_groups)  # what FSDP's own lazy init sets on the root
+    fresh(pixel_values=_images(rank, 2, 9)).logits.sum().backward()
+    # a group that leaves out ranks of the FSDP mesh: refused before any collective (those ranks would never gather)
+    if world == 4:
+        pair = dist.new_group([0, 1])
+        try:
+            out["pair"] = zb.recompute_bn_stats(model, [_images(rank, 2)], forward=_forward, group=pair)
+        except zb.InvalidArgumentError as e:
+            out["pair"] = str(e)
     return out
 
 
@@ -163,7 +203,12 @@ def test_every_tool_accepts_a_fully_shard_resnet_and_never_touches_its_shards(ra
             torch.testing.assert_close(o[key][f"{FIRST_BN}.running_mean"].double(), mean, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(o[key][f"{FIRST_BN}.running_var"].double(), var, rtol=1e-4, atol=1e-5)
             assert all(bitwise_equal(o[key][n], out[0][key][n]) for n in o[key])
-    assert all(o["still_sharded"] and o["sync_average"] == len(src) for o in out)
+    assert all(o["still_sharded"] and o["sync_average"] == len(src) and o["root_keeps_params"] for o in out)
+    for o in out:
+        assert f"rank {world - 1}: ValueError: bad batch" in o["failed"] and o["failed_unchanged"]
+    if world == 4:
+        assert all("sharded over ranks [2, 3] too" in out[r]["pair"] for r in (0, 1))
+        assert out[2]["pair"] == out[3]["pair"] == 0  # not in the group: nothing to do
 
 
 # ============================================================================================ DCP
@@ -368,6 +413,7 @@ def _frozen_under_fsdp2(rank, world, tmp):
     from torch.distributed.fsdp import fully_shard
     out = {}
     teacher = _shard(_resnet())  # the same weights on every rank, sharded; BatchNorm statistics per rank
+    _unevenly_unsharded(teacher, rank)
     with torch.no_grad():
         for m in teacher.modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -424,7 +470,7 @@ def test_frozen_replica_of_a_fully_shard_module_is_full_identical_and_all_gather
         assert o["pickled"] == "ResNetForImageClassification" and o["api"][:2] == ("cpu", "torch.float32")
         assert o["teacher_plain"]
         assert all(torch.equal(o["teacher_weights"][k], out[0]["teacher_weights"][k]) for k in o["teacher_weights"])
-        assert "DTensor sharded by a fully_shard" in o["foreign"]
+        assert "is sharded by a fully_shard or tensor-parallel plan outside this module" in o["foreign"]
     assert all(torch.equal(v, out[0]["state"][k]) for k, v in reloaded.state_dict().items())
 
 
@@ -462,6 +508,10 @@ def _fsdp1_and_bad_input(rank, world):
                            "b": nn.Linear(2, 2)})
     fully_shard(mixed["b"])
     calls["mixed"] = lambda: zb.broadcast_buffers(mixed)
+    calls["mixed_average"] = lambda: zb.average_bn_stats(mixed)
+    with torch.device("meta" if rank == 0 else "cpu"):
+        source_meta = nn.BatchNorm1d(4)
+    calls["source_meta"] = lambda: zb.broadcast_buffers(source_meta, materialize=True)
     holder = nn.Module()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -495,14 +545,18 @@ def test_fsdp1_buffers_sync_recompute_runs_on_full_parameters_and_bad_trees_are_
         assert e == out[0]["errors"] and o["unchanged"]
         assert "FSDP1" in e["include_parameters"] and "flat parameters" in e["include_parameters"]
         assert "mixes FSDP1" in e["mixed"] and "'a'" in e["mixed"] and "'b'" in e["mixed"]
+        assert "mixes FSDP1" in e["mixed_average"]
+        assert "the source, rank 0, holds 3 meta tensor(s) itself" in e["source_meta"]
         assert "DTensors" in e["dtensor_buffer"] and "'table'" in e["dtensor_buffer"]
 
 
-def test_a_peer_dying_mid_broadcast_under_fsdp2_raises_collective_error_and_writes_nothing(ranks2):
-    out = ranks2.run(_peer_dies, allow_dead=[1], timeout=TIMEOUT)
+def test_a_peer_dying_mid_broadcast_under_fsdp2_raises_collective_error_and_writes_nothing(ranks):
+    out = ranks.run(_peer_dies, allow_dead=[1], timeout=TIMEOUT)
     assert out[1] is None
-    err, unchanged = out[0]
-    assert err[0] == "CollectiveError" and unchanged
+    for r, o in enumerate(out):
+        if r != 1:
+            err, unchanged = o
+            assert err[0] == "CollectiveError" and unchanged
 
 
 def _peer_dies(rank, world):
@@ -563,12 +617,12 @@ def _accelerate_fsdp2_body(rank, folder):
     return out
 
 
-def test_sync_buffers_on_save_on_accelerates_fsdp_path_as_far_as_it_runs_on_cpu(ranks2):
+def test_sync_buffers_on_save_on_accelerates_fsdp_path_as_far_as_it_runs_on_cpu(ranks):
     with tempfile.TemporaryDirectory() as folder:
-        out = ranks2.run(_accelerate_fsdp2, folder, timeout=TIMEOUT)
+        out = ranks.run(_accelerate_fsdp2, folder, timeout=TIMEOUT)
         from safetensors.torch import load_file
         ddp_saved = load_file(f"{folder}/model.safetensors")
-    assert [o["distributed_type"] for o in out] == ["DistributedType.MULTI_CPU"] * 2
+    assert [o["distributed_type"] for o in out] == ["DistributedType.MULTI_CPU"] * len(out)
     for key, before in (("saved", "before"), ("ddp", "ddp_before")):
         locals_ = [o[before] for o in out]
         saved = out[0]["saved"] if key == "saved" else {k.removeprefix("module."): v for k, v in ddp_saved.items()}

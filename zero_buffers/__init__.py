@@ -27,6 +27,7 @@ from .frozen_replica import frozen_replica, is_frozen_replica
 from .gathered import GatheredParametersAndBuffers
 from .no_zero_init import no_zero_init
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
+from .rules import register_rules
 from .zero_init import Init, install, installed, uninstall
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "is_frozen_replica",
     "no_zero_init",
     "recompute_bn_stats",
+    "register_rules",
     "repair_checkpoint",
     "sync_buffers",
     "sync_buffers_on_save",

@@ -50,6 +50,17 @@ def fsdp_kinds(module: nn.Module, fn: str) -> tuple[bool, bool]:
     return one is not None, two is not None
 
 
+def check_fsdp_group(module: nn.Module, ranks: Sequence[int], fn: str) -> None:
+    """InvalidArgumentError (before any collective) when the FSDP units / fully_shard groups inside ``module`` run
+    over ranks outside the call's group: gathering their parameters needs every one of those ranks."""
+    missing = sorted(torch_compat.fsdp_ranks(module) - set(ranks))
+    if missing:
+        raise InvalidArgumentError(
+            f"{fn}(): the model's FSDP parameters are sharded over ranks {missing} too, which are not in the group "
+            f"(global ranks {list(ranks)}); gathering them needs every one of those ranks: pass a group that holds "
+            "the model's whole FSDP mesh (e.g. the default group)")
+
+
 def _ignored(name: str, skip: frozenset[str]) -> bool:
     """True when ``name`` or one of its module prefixes is in ``skip``."""
     if name in skip:
@@ -65,7 +76,7 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
     skip = frozenset(ignore)
     out: list[Entry] = []
     seen: set[int] = set()
-    fsdp1, _ = fsdp_kinds(module, fn)
+    fsdp1, fsdp2 = fsdp_kinds(module, fn)
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         for key, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
@@ -80,9 +91,14 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
                 f"{fn}(): include_parameters=True on an FSDP1 (FullyShardedDataParallel) model: FSDP1 keeps its "
                 "parameters as per-rank shards of flat parameters, which must never be broadcast; sync the buffers "
                 "alone (the default), or use fully_shard (FSDP2), whose sharded parameters are told apart")
+        # ZeRO parameters belong to DeepSpeed, DTensors (tensor parallel) to their placements, FSDP2's (sharded, or
+        # unsharded between a forward and its backward, here or by an enclosing root) to FSDP
+        sharded = torch_compat.fsdp2_managed(module) if fsdp2 else set()
+        foreign = set(torch_compat.fsdp2_foreign(module))
         for name, p in module.named_parameters(remove_duplicate=True):
-            # ZeRO parameters belong to DeepSpeed, DTensors (FSDP2, tensor parallel) to their placements
-            if not ds_compat.is_zero_param(p) and not torch_compat.is_dtensor(p) and not _ignored(name, skip):
+            if ds_compat.is_zero_param(p) or torch_compat.is_dtensor(p) or id(p) in sharded or name in foreign:
+                continue
+            if not _ignored(name, skip):
                 out.append((name, p))
     return out
 

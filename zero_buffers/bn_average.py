@@ -45,6 +45,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
         if not _group.initialized():
             _notice.single_process(fn)
         return 0
+    _modules.fsdp_kinds(module, fn)  # a tree mixing FSDP1 and FSDP2 is refused here too
     bns = _modules.tracking_bn(module)
     entries = _modules.bn_stat_entries(bns)
     merged: list[int] = []

@@ -131,6 +131,8 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
     entries = _modules.bn_stat_entries(bns)
     zero = [p for p in inner.parameters() if ds_compat.is_zero_param(p)]
     fsdp1, fsdp2 = _modules.fsdp_kinds(outer if outer is not None else inner, _FN)
+    if (fsdp1 or fsdp2) and g is not None:
+        _modules.check_fsdp_group(outer if outer is not None else inner, g.ranks, _FN)
     lazy = [n for n, t in entries if is_lazy(t)]
     if g is not None:
         described = [(n, _structure.Spec(n, "uninitialised", (), "lazy") if is_lazy(t) else t) for n, t in entries]

@@ -71,7 +71,8 @@ _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "npu", "mps", "mtia")  # a device 
 def _materialize(module: nn.Module, g: _group.Group, entries: list[_modules.Entry], src: int,
                  include_parameters: bool, deadline: _wire.Deadline, fn: str) -> int:
     """materialize=True: one small all_gather (who holds meta tensors, the source's device type), receivers allocate
-    fresh tensors for their meta ones, one ordinary broadcast into those, then they replace the meta tensors."""
+    fresh tensors for their meta ones and vote on it (a second small all_gather), one ordinary broadcast into
+    those, then they replace the meta tensors."""
     meta = [(n, t) for n, t in entries if t.is_meta]
     real = next((t for _, t in entries if not t.is_meta), None)
     kind = _DEVICE_TYPES.index(real.device.type) if real is not None and real.device.type in _DEVICE_TYPES else -1
@@ -89,9 +90,11 @@ def _materialize(module: nn.Module, g: _group.Group, entries: list[_modules.Entr
             fresh[id(t)] = torch.empty(t.shape, dtype=t.dtype, device=_home(module, t, fallback))
     except BaseException as e:  # noqa: BLE001 - a vote: every rank raises below, nothing was registered
         failure, fresh = e, {}
+    allocated = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, fn)]
+    _transaction.abort_if_any(g, allocated, failure, deadline, f"{fn}(materialize=True)",
+                              "allocating the meta tensors failed", "no buffer was modified")
     sending = [(n, fresh.get(id(t), t)) for n, t in entries]
-    done = _transaction.broadcast(g, sending, src, (fn, include_parameters, "materialize"), deadline, fn,
-                                  failure=failure, step="allocating the meta tensors failed")
+    done = _transaction.broadcast(g, sending, src, (fn, include_parameters, "materialize"), deadline, fn)
     _register(module, fresh)
     return done
 

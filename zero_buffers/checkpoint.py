@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import _args, _group, _modules, _notice, _structure, _transaction, _wire, bn_average, bn_recompute
+from . import rules as rules_mod
 from ._compat import accelerate as acc_compat
 from ._compat import deepspeed as ds_compat
 from .bn_recompute import recompute_bn_stats
@@ -25,11 +26,21 @@ POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
 _ACCELERATOR_METHODS = ("save_state", "get_state_dict", "save_model")
 
 
-def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = None, num_batches: int | None = None,
+def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,
+                 strict: bool = False, src: int = 0, data: Any = None, num_batches: int | None = None,
                  group: Any = None, timeout: _args.Timeout = None, progress: bool | None = None,
                  device: torch.device | str | None = None,
                  forward: Callable[[nn.Module, Any], Any] | None = None, global_batch: bool = False) -> int:
-    """Make ``model``'s buffers identical on every rank according to ``policy``; call it on every rank before saving.
+    """Make ``model``'s buffers identical on every rank according to ``policy`` and ``rules``; call it on every rank
+    before saving.
+
+    ``rules`` declares a reduction per buffer (:mod:`zero_buffers.rules`): ``{"*.cluster_size": "mean",
+    MoERouter: {"tokens_per_expert": "sum"}, "*.rng_offset": "local"}``, with ``"broadcast"``, ``"mean"``,
+    ``"sum"``, ``"max"``, ``"min"``, ``"bn"`` and ``"local"``; buffers no rule names take the default (a
+    BatchNorm's statistics ``"bn"``, the rest ``"broadcast"``) or the rules their class registered
+    (:func:`register_rules`). The policies are presets: ``"average"`` is the default rules, ``"broadcast"``
+    makes BatchNorm statistics ``"broadcast"`` too, ``"recompute"`` recomputes them (every other buffer by its
+    rule). ``strict=True`` raises for a rule that matches no buffer (else it warns once).
 
     - ``"broadcast"``: every buffer takes rank ``src``'s value (:func:`broadcast_buffers`).
     - ``"average"``: BatchNorm statistics become the exact merge of all ranks' (:func:`average_bn_stats`)
@@ -58,7 +69,7 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
             torch.save(model.module.state_dict(), "ckpt.pt")
     """
     fn = "sync_buffers"
-    _check_policy(policy, data, fn)
+    _check_policy(policy, data, fn, rules=rules)
     _args.module(model, fn)
     src = _args.rank(src, "src", fn)
     seconds = _args.timeout(timeout, fn)
@@ -67,6 +78,19 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
     g = _group.resolve(group, fn)
     _group.check_src(g, src, fn)  # before any collective, whatever the policy
     inner = _modules.unwrap(model, fn)
+    plan = None
+    if rules is None and policy in ("broadcast", "average", "recompute") and rules_mod.registered_in(inner):
+        rules = {}  # classes with registered rules: the policy is the preset, their rules apply
+    if rules is not None:  # resolved and checked before any collective, with or without a process group
+        plan = rules_mod.resolve(inner, rules, fn, strict=_args.flag(strict, "strict", fn),
+                                 bn_default="broadcast" if policy == "broadcast" else "bn")
+        if policy == "recompute":
+            odd = [a for a in plan.assigned if a.rule != "bn" and any(a.tensor is t for bn in
+                                                                       _modules.tracking_bn(inner)
+                                                                       for _, t in bn.entries())]
+            if odd:
+                raise InvalidArgumentError(f"{fn}(): policy 'recompute' recomputes every BatchNorm's statistics, but "
+                                           f"'{odd[0].name}' has rule {odd[0].rule!r} ({odd[0].source})")
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0
@@ -80,10 +104,13 @@ def sync_buffers(model: nn.Module, policy: Policy, *, src: int = 0, data: Any = 
         return 0
     sums = None
     if policy == "recompute":  # the passes and their all-reduce; nothing is written before the commit below
-        _structure.agree(g, (fn, policy, src, "before the passes"), _modules.named_buffers(inner), deadline, fn)
+        _structure.agree(g, (fn, policy, src, "before the passes", plan.signature if plan else None),
+                         _modules.named_buffers(inner), deadline, fn)
         sums = bn_recompute.population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress,
                                             device=device, forward=forward, global_batch=global_batch, outer=model)
-    return _commit(g, inner, policy, src, sums, deadline, fn)
+    if plan is not None:
+        return rules_mod.apply(g, plan, src, deadline, fn, call=(policy,), sums=sums)
+    return _commit(g, inner, str(policy), src, sums, deadline, fn)
 
 
 def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_recompute.Sums | None,
@@ -124,10 +151,15 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
     return len(entries)
 
 
-def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False) -> None:
-    """Raise InvalidArgumentError for an unknown policy, ``"recompute"`` without data, or (``reused``: data that every
-    save iterates again) a one-shot iterator; before any collective."""
-    if policy not in POLICIES:
+def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False, rules: Any = None) -> None:
+    """Raise InvalidArgumentError for an unknown policy, neither a policy nor rules, ``"check"`` with rules,
+    ``"recompute"`` without data, or (``reused``: data that every save iterates again) a one-shot iterator; before
+    any collective."""
+    if policy is None and rules is None:
+        raise InvalidArgumentError(f"{fn}(): pass a policy ({', '.join(map(repr, POLICIES))}) or rules=")
+    if policy == "check" and rules is not None:
+        raise InvalidArgumentError(f"{fn}(): policy 'check' changes nothing, so it takes no rules")
+    if policy is not None and policy not in POLICIES:
         raise InvalidArgumentError(f"{fn}(): policy must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}")
     if policy == "recompute" and data is None:
         raise InvalidArgumentError(f"{fn}(): policy 'recompute' needs data= (each rank's batches)")
@@ -206,7 +238,8 @@ class SaveHook:
 _MISSING = object()
 
 
-def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any = None,
+def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,
+                         strict: bool = False, src: int = 0, data: Any = None,
                          num_batches: int | None = None, group: Any = None, timeout: _args.Timeout = None,
                          progress: bool | None = None, device: torch.device | str | None = None,
                          forward: Callable[[nn.Module, Any], Any] | None = None,
@@ -234,14 +267,14 @@ def sync_buffers_on_save(target: Any, policy: Policy, *, src: int = 0, data: Any
         zero_buffers.sync_buffers_on_save(accelerator, "average")   # once, after prepare()
         accelerator.save_state("ckpt")                               # BatchNorm stats of all ranks
     """
-    _check_policy(policy, data, "sync_buffers_on_save", reused=True)
+    _check_policy(policy, data, "sync_buffers_on_save", reused=True, rules=rules)
     src = _args.rank(src, "src", "sync_buffers_on_save")  # now, not at the first save
     _args.timeout(timeout, "sync_buffers_on_save")
     if getattr(target, "_zero_buffers_save_hook", None) is not None:
         raise InvalidArgumentError(
             "sync_buffers_on_save(): this object already has a save hook; call .remove() on it first")
-    options = dict(src=src, data=data, num_batches=num_batches, group=group, timeout=timeout, progress=progress,
-                   device=device, forward=forward,
+    options = dict(rules=rules, strict=strict, src=src, data=data, num_batches=num_batches, group=group,
+                   timeout=timeout, progress=progress, device=device, forward=forward,
                    global_batch=_args.flag(global_batch, "global_batch", "sync_buffers_on_save"))
 
     if acc_compat.is_accelerator(target):

@@ -196,11 +196,13 @@ def _fsdp2_modules(module: nn.Module) -> list[nn.Module]:
             "FSDP (or fully_shard it: FSDP2 modules are gathered once and detached)")
     mods = torch_compat.fsdp2_modules(module)
     managed = torch_compat.fsdp2_managed(module) if mods else set()
-    foreign = [n for n, p in module.named_parameters() if torch_compat.is_dtensor(p) and id(p) not in managed]
+    foreign = torch_compat.fsdp2_foreign(module)
+    foreign += [n for n, p in module.named_parameters() if torch_compat.is_dtensor(p) and id(p) not in managed
+                and n not in foreign]
     if foreign:
         raise InvalidArgumentError(
-            f"{_FN}(): parameter '{foreign[0]}' (and {len(foreign) - 1} more) is a DTensor sharded by a fully_shard "
-            "or tensor-parallel plan outside this module; call frozen_replica before sharding the enclosing model "
+            f"{_FN}(): parameter '{foreign[0]}' (and {len(foreign) - 1} more) is sharded by a fully_shard or "
+            "tensor-parallel plan outside this module; call frozen_replica before sharding the enclosing model "
             "(its frozen weights become buffers that fully_shard leaves alone), or fully_shard the frozen module "
             "on its own")
     return mods
@@ -248,6 +250,8 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
     _group.check_src(g, src, _FN)
     frozen = is_frozen_replica(module)
     fsdp2 = _fsdp2_modules(module)
+    if fsdp2:  # a rank outside the group must not gather either: its peers in the FSDP mesh would not
+        _modules.check_fsdp_group(module, g.ranks if g is not None else (_group.global_rank(),), _FN)
     if g is not None:  # every rank gathers the same ZeRO / FSDP2 parameters, or none does
         zero = [p for p in module.parameters() if ds_compat.is_zero_param(p)]
         _structure.agree(g, (_FN, "enter", frozen, len(fsdp2)), _zero_specs(zero), deadline, _FN)

@@ -144,25 +144,6 @@ def is_device_mesh(obj: Any) -> bool:
     return _is(obj, "DeviceMesh", "torch.distributed")
 
 
-def fsdp1_managed(module: Any) -> set[int]:
-    """ids of the parameters FSDP1 shards in ``module``: every flat parameter and, with ``use_orig_params=True``, the
-    original parameters that are views into it (``FullyShardedDataParallel.fsdp_modules`` / ``_flat_param``)."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        units = FullyShardedDataParallel.fsdp_modules(module)
-    except (ImportError, AttributeError) as e:  # pragma: no cover - every torch zero_buffers supports has them
-        raise missing("torch", "FullyShardedDataParallel.fsdp_modules", str(e)) from e
-    out: set[int] = set()
-    for unit in units:
-        if not hasattr(type(unit), "_flat_param"):
-            raise missing("torch", "FullyShardedDataParallel._flat_param")
-        flat = unit._flat_param
-        if flat is not None:
-            out.add(id(flat))
-            out.update(id(p) for p in (getattr(flat, "_params", None) or ()))
-    return out
-
-
 @contextlib.contextmanager
 def fsdp1_unsharded(module: Any) -> Iterator[None]:
     """FSDP1: every unit of ``module`` (the module as the caller passed it, root unit included) holds its full
@@ -217,50 +198,121 @@ def _fsdp_params(module: Any) -> Iterator[Any]:
 
 
 def fsdp2_managed(module: Any) -> set[int]:
-    """ids of the (sharded) parameters the ``fully_shard`` states inside ``module`` manage."""
+    """ids of the parameters the ``fully_shard`` states inside ``module`` manage: each sharded DTensor and, once it
+    was all-gathered, its unsharded plain parameter (registered while the group is unsharded)."""
+    out: set[int] = set()
     try:
-        return {id(fp.sharded_param) for fp in _fsdp_params(module)}
+        for fp in _fsdp_params(module):
+            out.add(id(fp.sharded_param))
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                out.add(id(unsharded))
     except AttributeError as e:
         raise missing("torch", "FSDPParam.sharded_param", str(e)) from e
+    return out
+
+
+def fsdp2_foreign(module: Any) -> list[str]:
+    """Qualified names of ``module``'s parameters that a ``fully_shard`` state registered on a module outside
+    ``module`` manages (an enclosing root), sharded or, between its forward and backward, unsharded."""
+    try:
+        from torch.distributed import _composable_state
+        states = [ref() for ref in list(_composable_state._module_state_mapping.values())]
+    except (ImportError, AttributeError) as e:
+        raise missing("torch", "torch.distributed._composable_state._module_state_mapping", str(e)) from e
+    inside = {id(m) for m in module.modules()}
+    owned: set[int] = set()
+    for state in {id(st): st for st in states if st is not None}.values():
+        if not hasattr(state, "_fsdp_param_groups") or all(id(m) in inside for m in getattr(state, "_modules", ())):
+            continue
+        for group in state._fsdp_param_groups:
+            for fp in getattr(group, "fsdp_params", ()):
+                info = getattr(fp, "_module_info", None)
+                if info is not None and id(info.module) in inside:
+                    owned.add(id(fp.sharded_param))
+                    if getattr(fp, "_unsharded_param", None) is not None:
+                        owned.add(id(fp._unsharded_param))
+    return [n for n, p in module.named_parameters() if id(p) in owned]
+
+
+def fsdp_ranks(module: Any) -> set[int]:
+    """Global ranks that the FSDP1 units' and ``fully_shard`` groups' collectives inside ``module`` run over (the
+    ranks that must all enter an unshard). Private: ``FSDPParamGroup.mesh_info.mesh``."""
+    import torch.distributed as dist
+
+    out: set[int] = set()
+    for _, g in _groups(module):
+        mesh = getattr(getattr(g, "mesh_info", None), "mesh", None)
+        if mesh is None or not hasattr(mesh, "mesh"):
+            raise missing("torch", "FSDPParamGroup.mesh_info.mesh")
+        out.update(int(r) for r in mesh.mesh.flatten().tolist())
+    for m in module.modules():
+        if is_fsdp1(m):
+            out.update(dist.get_process_group_ranks(m.process_group))
+    return out
+
+
+def _groups(module: Any) -> list[tuple[Any, Any]]:
+    """(state, parameter group) of every ``fully_shard``ed module of ``module``, in module order."""
+    return [(st, g) for m in fsdp2_modules(module) for st in (_fsdp2_state(m),) for g in st._fsdp_param_groups]
+
+
+def _reshard_all(groups: list[tuple[Any, Any]]) -> None:
+    """Every group sharded (local, no collective): then every rank's unshard issues one all-gather per group,
+    whatever forwards or rank-0-only ``state_dict()`` calls left some groups unsharded on some ranks."""
+    for _, g in groups:
+        if g.is_unsharded:
+            g.reshard()
 
 
 @contextlib.contextmanager
 def fsdp2_unsharded(module: Any) -> Iterator[None]:
-    """Every ``fully_shard``ed module of ``module`` unsharded (one all-gather per parameter group, in module order:
-    every rank must enter) and kept so through any number of forwards, which then issue no collective; afterwards
-    the groups that were sharded before are resharded (local) and reshard-after-forward is as it was.
+    """Every ``fully_shard``ed module of ``module`` unsharded (exactly one all-gather per parameter group, in module
+    order: every rank must enter) and kept so through any number of forwards, which then issue no collective;
+    afterwards every group is sharded and reshard-after-forward is as it was (or as the root's lazy init, if a
+    pass ran it, set it), and a forward that raised leaves no FSDP iteration state behind.
 
     Private: ``FSDPParamGroup.post_forward_mesh_info`` (None means "do not reshard after forward", what FSDP sets
-    on its root) and ``is_unsharded``."""
-    mods = fsdp2_modules(module)
-    groups = [g for m in mods for g in _fsdp2_state(m)._fsdp_param_groups]
-    if any(not hasattr(g, "post_forward_mesh_info") or not hasattr(type(g), "is_unsharded") for g in groups):
-        raise missing("torch", "FSDPParamGroup.post_forward_mesh_info / is_unsharded")
-    was_unsharded = [bool(g.is_unsharded) for g in groups]
-    saved = [g.post_forward_mesh_info for g in groups]
+    on its root), ``is_unsharded``, ``FSDPState._is_root`` / ``_auto_reshard_after_forward`` /
+    ``_training_state``."""
+    groups = _groups(module)
+    if any(not hasattr(g, "post_forward_mesh_info") or not hasattr(type(g), "is_unsharded")
+           or not hasattr(st, "_is_root") for st, g in groups):
+        raise missing("torch", "FSDPParamGroup.post_forward_mesh_info / is_unsharded, FSDPState._is_root")
+    saved = [(g.post_forward_mesh_info, st._is_root) for st, g in groups]
+    _reshard_all(groups)
     try:
-        for m in mods:
+        for m in fsdp2_modules(module):
             m.unshard()
-        for g in groups:
+        for _, g in groups:
             g.post_forward_mesh_info = None
         yield
     finally:
-        for g, info, before in zip(groups, saved, was_unsharded):
-            g.post_forward_mesh_info = info
-            if not before and g.is_unsharded:
-                g.reshard()
+        for (st, g), (info, root_before) in zip(groups, saved):
+            lazily_made_root = root_before is None and st._is_root and getattr(st, "_auto_reshard_after_forward",
+                                                                                False)
+            g.post_forward_mesh_info = None if lazily_made_root else info
+        aborted = [m for m in fsdp2_modules(module)
+                   if getattr(getattr(_fsdp2_state(m), "_training_state", None), "name", "IDLE") != "IDLE"]
+        for m in aborted:  # a pass raised inside a forward: FSDP's documented recovery
+            if not callable(getattr(m, "reset_iter_state", None)):
+                raise missing("torch", "FSDPModule.reset_iter_state")
+            m.reset_iter_state()
+        _reshard_all(groups)
 
 
 def fsdp2_full_tensors(module: Any) -> dict[int, torch.Tensor]:
-    """id(sharded parameter) -> a plain full copy of it, for every parameter the ``fully_shard`` states inside
-    ``module`` manage (one all-gather per parameter group; every rank must call)."""
+    """id(parameter) -> a plain full copy in its original dtype, for every parameter the ``fully_shard`` states
+    inside ``module`` manage, keyed by the sharded DTensor (registered afterwards: every group is left sharded).
+    One all-gather per parameter (``DTensor.full_tensor``), in the same order on every rank."""
+    groups = _groups(module)
+    _reshard_all(groups)
     out: dict[int, torch.Tensor] = {}
-    with fsdp2_unsharded(module):
-        try:
-            for fp in _fsdp_params(module):
-                out[id(fp.sharded_param)] = fp.unsharded_param.detach().clone()
-        except AttributeError as e:
-            raise missing("torch", "FSDPParam.sharded_param / unsharded_param", str(e)) from e
+    try:
+        for fp in _fsdp_params(module):
+            out[id(fp.sharded_param)] = fp.sharded_param.detach().full_tensor().clone()
+    except AttributeError as e:
+        raise missing("torch", "FSDPParam.sharded_param", str(e)) from e
     return out
 
 
@@ -330,6 +382,7 @@ def fsdp2_detach(module: Any) -> Callable[[], None]:
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called",
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 

@@ -1,0 +1,294 @@
+"""Declared reductions: every buffer gets a rule (by qualified-name pattern, by module class, or registered by the
+library that owns the class), and one transaction applies them all, one coalesced collective per kind and bucket.
+
+Rules: ``"broadcast"`` (from ``src``), ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` (element-wise over the ranks),
+``"bn"`` (a BatchNorm layer's statistics together: the exact mixture of :func:`average_bn_stats`) and ``"local"``
+(never touched). Which rule a buffer gets, first match wins:
+
+1. a qualified-name glob in ``rules`` (``"*.cluster_size"``; two globs with different rules on one buffer raise);
+2. a module class in ``rules`` (the most derived class of the owning module that is listed); its value is a rule for
+   every buffer of the module, or a mapping from the buffer's own name to a rule;
+3. a class registered with :func:`register_rules` (same lookup);
+4. the default: a tracking BatchNorm's statistics ``"bn"``, every other buffer ``"broadcast"``.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _modules, _notice, _transaction, _wire, bn_average
+from ._compat import torch as torch_compat
+from ._group import Group
+from .errors import InvalidArgumentError
+
+Rule = Literal["broadcast", "mean", "sum", "max", "min", "bn", "local"]
+RULES: tuple[str, ...] = ("broadcast", "mean", "sum", "max", "min", "bn", "local")
+Rules = Mapping[Any, Any]
+"""``{glob or module class: rule}``; a class may map to ``{buffer name: rule}``."""
+
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+
+
+@dataclass(frozen=True)
+class _Registered:
+    rules: str | Mapping[str, str]
+    after_sync: Callable[[nn.Module], Any] | None
+
+
+_REGISTRY: dict[type | str, _Registered] = {}
+
+
+def register_rules(cls: type | str, rules: str | Mapping[str, str], *,
+                   after_sync: Callable[[nn.Module], Any] | None = None) -> None:
+    """Declare how the buffers of every instance of ``cls`` are reduced, for every later sync that uses rules.
+
+    ``cls`` is a module class, or its ``"module.QualName"`` so a library need not be imported to register it.
+    ``rules`` is one rule for all of its buffers or ``{buffer name: rule}``. ``after_sync(module)`` runs on every
+    instance after its buffers were written (to recompute what is derived from them). Rules passed to the call
+    itself take precedence. Registering a class again replaces its entry.
+
+    Example::
+
+        zero_buffers.register_rules(MoERouter, {"tokens_per_expert": "sum", "step": "max"})
+    """
+    fn = "register_rules"
+    if not isinstance(cls, (type, str)):
+        raise InvalidArgumentError(f"{fn}(): cls must be a module class or its 'module.QualName', got {cls!r}")
+    _check_value(rules, fn, f"the rules of {cls!r}")
+    if after_sync is not None and not callable(after_sync):
+        raise InvalidArgumentError(f"{fn}(): after_sync must be a callable (module) -> None, got {after_sync!r}")
+    _REGISTRY[cls] = _Registered(rules if isinstance(rules, str) else dict(rules), after_sync)
+
+
+def registered_in(module: nn.Module) -> bool:
+    """Whether a module of ``module``'s tree has rules registered for its class (then policies apply them too)."""
+    if not _REGISTRY:
+        return False
+    return any(k in _REGISTRY for m in module.modules() for c in type(m).__mro__
+               for k in (c, f"{c.__module__}.{c.__qualname__}"))
+
+
+def _check_value(value: Any, fn: str, what: str) -> None:
+    """InvalidArgumentError for a value that is neither a rule nor a {buffer name: rule} mapping of rules."""
+    if isinstance(value, str):
+        if value not in RULES:
+            raise InvalidArgumentError(f"{fn}(): unknown rule {value!r} for {what}; rules are "
+                                       f"{', '.join(map(repr, RULES))}")
+        return
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentError(f"{fn}(): {what} must be a rule ({', '.join(map(repr, RULES))}) or a mapping "
+                                   f"from buffer names to rules, got {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(f"{fn}(): {what} must map buffer names (str) to rules, got {k!r}: {v!r}")
+        _check_value(v, fn, f"{what}[{k!r}]")
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """One buffer's rule and where it came from (``pattern '*.x'``, ``class Foo``, ``registered Foo``, ``default``)."""
+
+    name: str
+    tensor: torch.Tensor
+    rule: str
+    source: str
+
+
+@dataclass
+class Plan:
+    """A model's buffers by rule, resolved and checked at the call, before any collective."""
+
+    assigned: list[Assigned]
+    bns: list[_modules.BatchNorm] = field(default_factory=list)
+    after: list[tuple[nn.Module, Callable[[nn.Module], Any]]] = field(default_factory=list)
+
+    def of(self, rule: str) -> list[Assigned]:
+        return [a for a in self.assigned if a.rule == rule]
+
+    @property
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        """(name, rule) of every buffer: part of the structure every rank agrees on."""
+        return tuple((a.name, a.rule) for a in self.assigned)
+
+    def synced(self) -> list[_modules.Entry]:
+        """Every entry a sync moves (all but ``"local"``), in module order."""
+        return [(a.name, a.tensor) for a in self.assigned if a.rule != "local"]
+
+
+def _class_rule(module: nn.Module, key: str, table: Mapping[Any, Any]) -> tuple[str, Any] | None:
+    """(rule, the matching key) from the most derived listed class of ``module``, or None."""
+    for klass in type(module).__mro__:
+        for k in (klass, f"{klass.__module__}.{klass.__qualname__}"):
+            if k in table:
+                value = table[k]
+                rule = value.rules if isinstance(value, _Registered) else value
+                if isinstance(rule, str):
+                    return rule, k
+                if key in rule:
+                    return rule[key], k
+                return None
+    return None
+
+
+def _label(k: Any) -> str:
+    return k.__name__ if isinstance(k, type) else str(k)
+
+
+def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = False,
+            bn_default: str = "bn") -> Plan:
+    """Every buffer of ``module`` with its rule; InvalidArgumentError (the same on every rank that has the same model
+    and rules) for unknown rules, rules claimed twice, ``"bn"`` outside BatchNorm statistics, ``"mean"`` on integers
+    or bools, ``"sum"`` on bools; globs and classes that match nothing warn once (raise with ``strict=True``)."""
+    rules = {} if rules is None else rules
+    if not isinstance(rules, Mapping):
+        raise InvalidArgumentError(f"{fn}(): rules must be a mapping {{glob or module class: rule}}, got "
+                                   f"{type(rules).__name__}")
+    patterns: dict[str, str] = {}
+    classes: dict[Any, Any] = {}
+    for k, v in rules.items():
+        if isinstance(k, str):
+            _check_value(v, fn, f"pattern {k!r}")
+            if not isinstance(v, str):
+                raise InvalidArgumentError(f"{fn}(): pattern {k!r} must map to one rule, got {v!r}")
+            patterns[k] = v
+        elif isinstance(k, type) and issubclass(k, nn.Module):
+            _check_value(v, fn, f"class {k.__name__}")
+            classes[k] = v
+        else:
+            raise InvalidArgumentError(f"{fn}(): rules keys must be qualified-name globs (str) or nn.Module classes, "
+                                       f"got {k!r}")
+    used: set[Any] = set()
+    assigned: list[Assigned] = []
+    seen: set[int] = set()
+    stats: dict[int, _modules.BatchNorm] = {id(t): bn for bn in _modules.tracking_bn(module)
+                                             for _, t in bn.entries()}
+    after: dict[int, tuple[nn.Module, Callable[[nn.Module], Any]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=True):
+        for key, buf in mod._buffers.items():
+            if buf is None or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            name = (f"{mod_name}.{key}" if mod_name else key).replace(_modules._FSDP1_PREFIX, "")
+            hits = {(p, r) for p, r in patterns.items() if fnmatch.fnmatchcase(name, p)}
+            used.update(p for p, _ in hits)
+            if len({r for _, r in hits}) > 1:
+                (p1, r1), (p2, r2) = sorted(hits)[:2]
+                raise InvalidArgumentError(f"{fn}(): buffer '{name}' is claimed by two rules: pattern {p1!r} says "
+                                           f"{r1!r}, pattern {p2!r} says {r2!r}. No buffer was modified")
+            if hits:
+                (pattern, rule), = sorted(hits)[:1]
+                source = f"pattern {pattern!r}"
+            elif (found := _class_rule(mod, key, classes)) is not None:
+                rule, k = found
+                used.add(k)
+                source = f"class {_label(k)}"
+            elif (found := _class_rule(mod, key, _REGISTRY)) is not None:
+                rule, k = found
+                source = f"registered {_label(k)}"
+                if _REGISTRY[k].after_sync is not None:
+                    after[id(mod)] = (mod, _REGISTRY[k].after_sync)  # type: ignore[assignment]
+            else:
+                rule = bn_default if id(buf) in stats else "broadcast"
+                source = "default"
+            _check_rule(name, buf, rule, id(buf) in stats, source, fn)
+            assigned.append(Assigned(name, buf, rule, source))
+    for k in [*patterns, *classes]:
+        if k in used:
+            continue
+        if k in classes and any(isinstance(m, k) for m in module.modules()):
+            continue  # the class is there; its mapping named no buffer of it that other rules left
+        message = f"{fn}(): rule {_label(k)!r} matches no buffer of the model"
+        if strict:
+            raise InvalidArgumentError(message + " (strict=True). No buffer was modified")
+        _notice.warn(message, once=f"rules:{_label(k)}", stacklevel=4)
+    bns = []
+    rule_of = {id(a.tensor): a.rule for a in assigned}
+    for bn in _modules.tracking_bn(module):
+        layer = {rule_of.get(id(t)) for _, t in bn.entries()}
+        if "bn" in layer and layer != {"bn"}:
+            raise InvalidArgumentError(f"{fn}(): BatchNorm '{bn.name}': 'bn' merges a layer's statistics together, "
+                                       f"but its statistics got the rules {sorted(r for r in layer if r)}. No buffer "
+                                       "was modified")
+        if layer == {"bn"}:
+            bns.append(bn)
+    return Plan(assigned, bns, list(after.values()))
+
+
+def _check_rule(name: str, t: torch.Tensor, rule: str, bn_stat: bool, source: str, fn: str) -> None:
+    """InvalidArgumentError for a rule this buffer cannot take (named, with the rule's source)."""
+    why = None
+    if rule == "bn" and not bn_stat:
+        why = "'bn' applies to a tracking BatchNorm's running_mean / running_var / num_batches_tracked only"
+    elif rule == "mean" and (t.dtype == torch.bool or not (t.is_floating_point() or t.is_complex())):
+        why = (f"'mean' of {str(t.dtype).removeprefix('torch.')} values is not exact (zero_buffers does not round): "
+               "use 'max', 'min' or 'sum' for counters and flags, or keep the buffer in floating point")
+    elif rule == "sum" and t.dtype == torch.bool:
+        why = "'sum' of bool flags is not a bool: use 'max' (any rank) or 'min' (every rank)"
+    elif rule in ("max", "min") and t.is_complex():
+        why = f"'{rule}' of complex values is not defined"
+    if why is not None:
+        raise InvalidArgumentError(f"{fn}(): buffer '{name}' ({str(t.dtype).removeprefix('torch.')}) has rule "
+                                   f"{rule!r} ({source}): {why}. No buffer was modified")
+
+
+def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
+    """One bucket's tensors as a fresh flat tensor (bools as uint8: collectives do not reduce bools)."""
+    flat = torch_compat.flatten([t.detach() for t in ts])
+    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat
+
+
+def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, call: tuple = (),
+          sums: Any = None) -> int:
+    """One transaction for every rule: structure (names, rules, dtypes, shapes) agreed, every kind exchanged into
+    scratch, written only once every rank received everything; ``after_sync`` hooks then run. ``sums``: recomputed
+    BatchNorm sums (the "recompute" policy) to write for the ``"bn"`` layers instead of merging."""
+    entries = plan.synced()
+    broadcast = [a.tensor for a in plan.of("broadcast")]
+    buckets = _wire.plan(broadcast)
+    source = g.me == src
+    tensors = {rule: [a.tensor for a in plan.of(rule)] for rule in _OPS}
+    reduced = {rule: _wire.plan(ts) for rule, ts in tensors.items()}
+
+    def prepare() -> Any:
+        space = _wire.send_space(broadcast, buckets) if source else _wire.receive_space(buckets)
+        flats = {rule: [_flat([tensors[rule][i] for i in b.indices]) for b in bs] for rule, bs in reduced.items()}
+        pack = bn_average._pack(plan.bns, g.device) if plan.bns and sums is None else None
+        return space, flats, pack
+
+    def exchange(prepared: Any) -> None:
+        space, flats, pack = prepared
+        if pack is not None:
+            _wire.all_reduce(g, pack, deadline, fn)
+        for rule, parts in flats.items():
+            for i, flat in enumerate(parts):
+                parts[i] = _wire.all_reduce(g, flat.to(g.device), deadline, fn, op=getattr(dist.ReduceOp, _OPS[rule]))
+        _wire.broadcast(g, broadcast, buckets, src, space, deadline, fn)
+
+    def write(prepared: Any) -> None:
+        space, flats, pack = prepared
+        if pack is not None:
+            bn_average._write(plan.bns, pack)
+        elif sums is not None:
+            from . import bn_recompute
+            bn_recompute.write(*sums)
+        for rule, parts in flats.items():
+            for b, flat in zip(reduced[rule], parts):
+                ts = [tensors[rule][i] for i in b.indices]
+                if rule == "mean":
+                    flat = flat / g.size
+                torch_compat.unflatten_into(flat.to(ts[0].device, ts[0].dtype), ts)
+        if not source:
+            _wire.write(broadcast, buckets, space)
+
+    _transaction.commit(g, ("rules", src, plan.signature, *call), entries, deadline, fn, prepare=prepare,
+                        exchange=exchange, apply=write)
+    for module, hook in plan.after:
+        hook(module)
+    return len(entries)
