@@ -25,6 +25,7 @@ from .errors import (
 )
 from .frozen_replica import frozen_replica, is_frozen_replica
 from .gathered import GatheredParametersAndBuffers
+from .keep_in_sync import KeepInSync, keep_in_sync
 from .no_zero_init import no_zero_init
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
 from .rules import register_rules
@@ -45,6 +46,7 @@ __all__ = [
     "Init",
     "InvalidArgumentError",
     "InvalidSourceRankError",
+    "KeepInSync",
     "RecomputeError",
     "RepairResult",
     "SaveHook",
@@ -62,6 +64,7 @@ __all__ = [
     "install",
     "installed",
     "is_frozen_replica",
+    "keep_in_sync",
     "no_zero_init",
     "recompute_bn_stats",
     "register_rules",

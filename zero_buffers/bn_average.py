@@ -86,12 +86,16 @@ def warn_identical(fn: str) -> None:
                  "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4)
 
 
-def _pack(bns: list[_modules.BatchNorm], device: torch.device) -> torch.Tensor:
-    """Per layer [n, n * mean (C), n * (var + mean^2) (C)] in float64 on ``device``; one host sync for the counters."""
+def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tensor | None = None) -> torch.Tensor:
+    """Per layer [n, n * mean (C), n * (var + mean^2) (C)] in float64 on ``device``; one host sync for the counters.
+    ``base``: every layer's counter at the last sync (float64, one per layer with a counter): ``n`` is then the
+    batches since (keep_in_sync: repeated merges must not count a batch twice)."""
     if not bns:
         return torch.zeros(0, dtype=torch.float64, device=device)
     known = [bn.count.reshape(1).to(device, torch.float64) for bn in bns if bn.count is not None]
     stacked = torch.cat(known) if known else torch.zeros(0, dtype=torch.float64, device=device)
+    if base is not None:
+        stacked = (stacked - base.to(device)).clamp_min(0)
     parts, k = [], 0
     for bn in bns:
         if bn.count is None:
@@ -105,16 +109,19 @@ def _pack(bns: list[_modules.BatchNorm], device: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor) -> int:
-    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count."""
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None) -> int:
+    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count.
+    ``base`` (as in :func:`_pack`) is added back to the counters."""
     offsets, offset = [], 0
     for bn in bns:
         offsets.append(offset)
         offset += 1 + 2 * bn.mean.numel()
     totals = sums[offsets].cpu().tolist() if bns else []  # one device-to-host copy
+    bases = iter(base.tolist() if base is not None else [])
     merged = 0
     with torch.no_grad():
         for bn, start, total in zip(bns, offsets, totals):
+            before = next(bases, 0.0) if bn.count is not None else 0.0
             if total <= 0:
                 continue
             c = bn.mean.numel()
@@ -123,7 +130,7 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor) -> int:
             bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
             bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
             if bn.count is not None:
-                bn.count.fill_(round(total))
+                bn.count.fill_(round(before + total))
             merged += 1
     return merged
 

@@ -1,0 +1,200 @@
+"""keep_in_sync on 2 and 4 real gloo ranks: a DeepSpeed ZeRO-3 engine training transformers' ResNet (buffers equal on
+every rank after every step, counters that stay batch counts, int64 sums exact past 2**53), a plain and a
+fully_shard module under a custom loop (syncs before train forwards only; an eval on one rank alone cannot hang),
+the VQ codebook kept exact step by step, and bad input refused before any collective."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_buffers as zb
+from tests.helpers import bitwise_equal
+
+BIG = 2 ** 60
+STEPS = 4
+
+
+class Router(nn.Module):
+    """Counts what this rank routed (a sum across ranks) and keeps an EMA of its load (a mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("tokens", torch.full((3,), BIG, dtype=torch.int64))  # replicas start equal
+        self.register_buffer("load", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            rank = dist.get_rank()
+            with torch.no_grad():
+                self.tokens += torch.tensor([rank + 1, 2 * rank, 1])
+                self.load.mul_(0.9).add_(0.1 * (x.detach().mean() + rank))
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers import ResNetConfig, ResNetModel
+        torch.manual_seed(0)
+        self.resnet = ResNetModel(ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                               layer_type="basic"))
+        self.router = Router()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.router(self.resnet(pixel_values=x).pooler_output.flatten(1)))
+
+
+RULES = {"router.tokens": "sum", "router.load": "mean"}
+
+
+def _images(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 3, 16, 16, generator=g) * (1 + rank) + 2.0 * rank
+
+
+def _digests(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _engine_run(rank, world, every, synced):
+    from tests.helpers import ZERO3_CONFIG, init_deepspeed
+    deepspeed = init_deepspeed()
+    model = Net()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                                      config={**ZERO3_CONFIG, "train_micro_batch_size_per_gpu": 4})
+    handle = zb.keep_in_sync(engine, rules=RULES, every=every) if synced else None
+    per_step = []
+    for step in range(STEPS):
+        engine.backward(engine(_images(rank, step)).square().mean())
+        engine.step()
+        per_step.append(_digests(engine.module))
+    out = {"steps": per_step, "syncs": handle.syncs if handle else 0}
+    if handle is not None:
+        handle.remove()
+        out["restored"] = "step" not in vars(engine)
+    return out
+
+
+def test_keep_in_sync_on_a_deepspeed_zero3_engine_keeps_every_buffer_equal_after_every_step(ranks):
+    world = ranks.world_size
+    bug = ranks.run(_engine_run, 1, False, timeout=240)
+    out = ranks.run(_engine_run, 1, True, timeout=240)
+    names = list(out[0]["steps"][0])
+    stats = [n for n in names if "running" in n]
+    assert any(not bitwise_equal(bug[0]["steps"][-1][n], bug[1]["steps"][-1][n]) for n in stats)  # the bug
+    for o in out:
+        assert o["syncs"] == STEPS and o["restored"]
+        for step, buffers in enumerate(o["steps"]):
+            assert all(bitwise_equal(buffers[n], out[0]["steps"][step][n]) for n in names), step
+            counts = [buffers[n] for n in names if n.endswith("num_batches_tracked")]
+            assert all(int(c) == world * (step + 1) for c in counts)  # a count of all ranks' batches, no compounding
+            added = torch.tensor([sum(r + 1 for r in range(world)), sum(2 * r for r in range(world)), world])
+            assert torch.equal(buffers["router.tokens"], BIG + (step + 1) * added)  # exact: int64 stays int64
+
+
+def test_every_counts_optimizer_steps_of_the_engine(ranks2):
+    out = ranks2.run(_engine_run, 2, True, timeout=240)
+    for o in out:
+        assert o["syncs"] == STEPS // 2
+        second = o["steps"][1]  # synced after steps 2 and 4 only
+        assert all(bitwise_equal(second[n], out[0]["steps"][1][n]) for n in second)
+    assert any(not bitwise_equal(out[0]["steps"][0][n], out[1]["steps"][0][n]) for n in out[0]["steps"][0])
+
+
+def _module_loops(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    for kind in ("plain", "fully_shard"):
+        model = Net()
+        if kind == "fully_shard":
+            for stage in model.resnet.encoder.stages:
+                fully_shard(stage)
+            fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        handle = zb.keep_in_sync(model, rules=RULES)
+        for step in range(2):
+            model(_images(rank, step)).square().mean().backward()  # the sync ran before this forward
+            opt.step()
+            opt.zero_grad()
+        synced_before_last = handle.syncs
+        model.eval()
+        if rank == 0 and kind == "plain":  # one rank alone, eval mode: no sync, so nothing waits for the others
+            with torch.no_grad():
+                model(_images(rank, 9))
+        dist.barrier()
+        model.train()
+        handle.sync()  # what the next train forward would do
+        out[kind] = {"syncs": (synced_before_last, handle.syncs), "buffers": _digests(model)}
+        handle.remove()
+        model(_images(rank, 5)).sum().backward()
+        out[kind]["after_remove"] = _digests(model)
+    return out
+
+
+def test_keep_in_sync_on_plain_and_fully_shard_modules_syncs_before_train_forwards_only(ranks):
+    out = ranks.run(_module_loops, timeout=240)
+    for kind in ("plain", "fully_shard"):
+        for o in out:
+            assert o[kind]["syncs"] == (2, 3)
+            assert all(bitwise_equal(b, out[0][kind]["buffers"][n]) for n, b in o[kind]["buffers"].items())
+        stats = [n for n in out[0][kind]["after_remove"] if "running_mean" in n]
+        assert any(not bitwise_equal(out[0][kind]["after_remove"][n], out[1][kind]["after_remove"][n])
+                   for n in stats)  # removed: the ranks drift apart again
+
+
+def _vq_steps(rank, world):
+    from vector_quantize_pytorch import VectorQuantize
+    from vector_quantize_pytorch.vector_quantize_pytorch import Codebook
+    vq_rules = {Codebook: {"cluster_size": "mean", "embed_avg": "mean", "embed": "local", "initted": "max"}}
+    zb.register_rules(Codebook, vq_rules[Codebook], after_sync=lambda codebook: codebook.update_ema())
+    try:
+        torch.manual_seed(0)
+        ours = VectorQuantize(dim=8, codebook_size=16, decay=0.8, sync_codebook=False, threshold_ema_dead_code=0)
+        torch.manual_seed(0)
+        reference = VectorQuantize(dim=8, codebook_size=16, decay=0.8, sync_codebook=True, threshold_ema_dead_code=0)
+
+        def mean_all_reduce(t):
+            dist.all_reduce(t)
+            t /= world
+        reference._codebook.all_reduce_fn = mean_all_reduce
+        handle = zb.keep_in_sync(ours._codebook)  # its registered rules; syncs before each train forward
+        diffs = []
+        for step in range(5):
+            x = torch.randn(4, 12, 8, generator=torch.Generator().manual_seed(10 * step + rank)) + rank
+            ours(x)
+            reference(x)
+            handle.sync()  # after the step, as the reference's forward left it
+            diffs.append(float((ours._codebook.embed - reference._codebook.embed).abs().max()))
+        handle.remove()
+        return diffs
+    finally:
+        zb.rules._REGISTRY.pop(Codebook, None)
+
+
+def test_keep_in_sync_keeps_a_vq_codebook_equal_to_mean_all_reduced_statistics_step_by_step(ranks2):
+    out = ranks2.run(_vq_steps, timeout=240)
+    assert all(d < 1e-5 for diffs in out for d in diffs), out
+
+
+def _bad(rank, world):
+    out = {}
+    for case, call in {"every=0": lambda: zb.keep_in_sync(Net(), every=0),
+                       "unknown rule": lambda: zb.keep_in_sync(Net(), rules={"router.tokens": "total"}),
+                       "mean of int": lambda: zb.keep_in_sync(Net(), rules={"router.tokens": "mean"}),
+                       "not a module": lambda: zb.keep_in_sync([1, 2])}.items():
+        try:
+            call()
+            out[case] = None
+        except zb.InvalidArgumentError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_bad_input_is_refused_when_installing_before_any_collective(ranks2):
+    out = ranks2.run(_bad)
+    assert out[0] == out[1]
+    assert "every must be an int >= 1" in out[0]["every=0"] and "unknown rule 'total'" in out[0]["unknown rule"]
+    assert "'router.tokens' (int64) has rule 'mean'" in out[0]["mean of int"]
+    assert "expects a torch.nn.Module" in out[0]["not a module"]
