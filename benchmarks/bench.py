@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 SECTIONS = ("broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real", "recompute_modes",
-            "fsdp2")
+            "fsdp2", "keep_in_sync")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -588,6 +588,66 @@ def bench_fsdp2(ctx: dict) -> list[dict]:
     return rows
 
 
+def bench_keep_in_sync(ctx: dict) -> list[dict]:
+    """Section 11: keep_in_sync's steady state. (a) One sync of ResNet-50's BatchNorm buffers against one raw
+    broadcast of the same flat bytes (the floor) and against the transactional sync_buffers, with every buffer
+    "broadcast" and with the default rules ("bn" merge); (b) a training step of transformers' ResNet-18 (batch 32,
+    DDP with broadcast_buffers=False) with and without keep_in_sync before every forward, steps alternating."""
+    from transformers import ResNetConfig, ResNetModel
+
+    import zero_buffers as zb
+
+    rows = []
+    blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 6, 3)
+    for label, rules in (("every buffer 'broadcast'", {nn.BatchNorm2d: "broadcast"}), ("default rules ('bn')", None)):
+        model = scrambled(lambda: resnet_bn_net(blocks), ctx["rank"], ctx["device"])
+        handle = zb.keep_in_sync(model, rules=rules)
+        handle.sync()  # the first sync agrees on the structure; the steady state is what follows
+        tensors = list(model.buffers())
+        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
+                 for d in dict.fromkeys(t.dtype for t in tensors)]
+        t = timed_together({"keep_in_sync": handle.sync, "raw_flat_broadcast": lambda: raw_flat(flats, 0),
+                            "sync_buffers": lambda: zb.sync_buffers(model, rules=rules or {})},
+                           ctx["repeats"] * 3, ctx["device"])
+        handle.remove()
+        rows.append({"what": f"sync, {label}", "bytes": sum(f.numel() * f.element_size() for f in flats), **t,
+                     "steady_over_raw": t["keep_in_sync"] / t["raw_flat_broadcast"],
+                     "transactional_over_steady": t["sync_buffers"] / t["keep_in_sync"]})
+        ctx["log"](f"keep_in_sync {label}: steady/raw {rows[-1]['steady_over_raw']:.2f}x, "
+                   f"sync_buffers/steady {rows[-1]['transactional_over_steady']:.2f}x")
+
+    torch.manual_seed(0)
+    width = (8, 16, 16, 16) if ctx["quick"] else (64, 128, 256, 512)
+    net = ResNetModel(ResNetConfig(num_channels=3, embedding_size=width[0], hidden_sizes=list(width),
+                                   depths=[2, 2, 2, 2], layer_type="basic")).to(ctx["device"])
+    ddp = nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    batch, size = (4, 32) if ctx["quick"] else (32, 64)
+    x = torch.randn(batch, 3, size, size, device=ctx["device"]) + ctx["rank"]
+
+    def step() -> None:
+        ddp(pixel_values=x).pooler_output.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    handle = zb.keep_in_sync(ddp)  # on DDP's inner module, default rules
+    handle.sync()  # the first sync agrees on the structure
+    handle.remove()  # the hook is gone; handle.sync() does what it did before every forward
+
+    def plain_step() -> None:
+        step()
+
+    def synced_step() -> None:
+        handle.sync()
+        step()
+
+    t = timed_together({"step": plain_step, "step + keep_in_sync": synced_step}, ctx["repeats"], ctx["device"])
+    rows.append({"what": f"ResNet-18 train step, batch {batch}, {size}x{size}", **t,
+                 "overhead_pct": 100 * (t["step + keep_in_sync"] / t["step"] - 1)})
+    ctx["log"](f"keep_in_sync train step overhead {rows[-1]['overhead_pct']:.1f}%")
+    return rows
+
+
 def bench_frozen_real(ctx: dict) -> list[dict]:
     """Section 8: the per-forward cost of frozen_replica on real transformers models against the same model as a
     plain module under no_grad (the replica's no_grad wrapper, class swap and parameters() override)."""
@@ -644,7 +704,8 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
            "repeats": 3 if args.quick else args.repeats}
     funcs = {"broadcast": bench_broadcast, "check": bench_check, "frozen": bench_frozen, "bn": bench_bn,
              "scaling": bench_scaling, "report_diff": bench_report_diff, "memory": bench_memory,
-             "frozen_real": bench_frozen_real, "recompute_modes": bench_recompute_modes, "fsdp2": bench_fsdp2}
+             "frozen_real": bench_frozen_real, "recompute_modes": bench_recompute_modes, "fsdp2": bench_fsdp2,
+             "keep_in_sync": bench_keep_in_sync}
     results = {}
     for section in args.only:
         log(f"section {section} ...")

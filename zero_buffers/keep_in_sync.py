@@ -7,13 +7,18 @@ before every ``every``-th train-mode forward of a module (as DDP does; eval-mode
 one rank alone cannot hang). ``handle.sync()`` syncs now.
 
 Steady state, the hot path: the structure is agreed once, at the first sync (one small all_gather naming any
-difference). Every later sync re-checks locally that the buffers are the same tensors and sends one float64 header
-``[failed flag per member, d, d^2]`` (``d``: 20 bits of the structure digest) riding in front of the BatchNorm
-all-reduce, or alone when no rule needs an all-reduce of float64: equal digests on every rank are exactly
-``(sum d)^2 == n * sum d^2``. Then one collective per reduction kind and bucket (dtype within a kind: int64 stays
-int64), into flat buckets kept between calls, and writes only once every collective completed. Repeated syncs do
-not compound: ``"bn"`` weights and counts each rank's batches since the last sync (``num_batches_tracked`` stays
-the count of all ranks' batches), ``"sum"`` adds what each rank added since the last sync.
+difference). Every later sync re-checks locally that the buffers are the tensors it planned for (one dict lookup
+each; replaced tensors of the same structure are taken up) and then pays one collective per reduction kind and
+bucket (dtype within a kind: int64 stays int64), into flat buckets and views kept between calls, writing only once
+every collective completed. The cross-rank check rides along: ``[failed flag per member, d, d^2]`` (``d``: 20 bits
+of the structure digest; equal on every rank exactly when ``(sum d)^2 == n * sum d^2``) in front of the BatchNorm
+all-reduce; without a ``"bn"`` rule, the source's ``[failed, digest]`` in the last 16 bytes of its first broadcast
+bucket (then a receiver whose own structure changed raises alone, after the collectives, having written nothing,
+while the others take the source's values); with neither, one small all-reduce of its own.
+
+Repeated syncs do not compound: ``"bn"`` weights and counts each rank's batches since the last sync
+(``num_batches_tracked`` stays the count of all ranks' batches), ``"sum"`` adds what each rank added since the last
+sync (the first sync: the source's value plus what every other rank added since ``keep_in_sync`` was called).
 """
 from __future__ import annotations
 
@@ -45,12 +50,24 @@ class _Kind:
     tensors: list[torch.Tensor]
     buckets: list[_wire.Bucket]
     flats: list[torch.Tensor]
+    targets: list[list[torch.Tensor]]  # per bucket: its tensors
+    views: list[list[torch.Tensor]]  # per bucket: views of its flat shaped like them (made once)
     sub: list[torch.Tensor] | None = None  # "sum": what each rank subtracts before the all-reduce, per bucket
     add: list[torch.Tensor] | None = None  # "sum": what is added back to the all-reduced deltas
 
 
 def _flat_like(b: _wire.Bucket) -> torch.Tensor:
     return torch.zeros(b.numel, dtype=torch.uint8 if b.dtype == torch.bool else b.dtype, device=b.device)
+
+
+def _views(flat: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` (as bools for a bool bucket) shaped like ``ts``."""
+    typed = flat.view(torch.bool) if ts[0].dtype == torch.bool else flat
+    out, offset = [], 0
+    for t in ts:
+        out.append(typed[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
 
 
 class _Steady:
@@ -62,24 +79,37 @@ class _Steady:
         adds every rank's additions since the last one."""
         self.plan, self.g = plan, g
         entries = plan.synced()
-        self.key = tuple((id(t), t.shape, t.dtype, t.device) for _, t in entries)
+        mine = {id(t) for _, t in entries}
+        self.owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
+                       if t is not None and id(t) in mine]  # where each synced tensor is registered
         self.call = (_FN, src, plan.signature)
         self.digest = _structure.digest(self.call, entries)
-        self.d = float(self.digest % (1 << _DIGEST_BITS))
         self.kinds: list[_Kind] = []
         for rule in ("sum", "mean", "max", "min", "broadcast"):
             ts = [a.tensor for a in plan.of(rule)]
             buckets = _wire.plan(ts)
             if buckets:
                 flats = [_flat_like(b) for b in buckets]
-                kind = _Kind(rule, ts, buckets, flats)
+                targets = [[ts[j] for j in b.indices] for b in buckets]
+                kind = _Kind(rule, ts, buckets, flats, targets, [_views(f, t) for f, t in zip(flats, targets)])
                 if rule == "sum":
                     kind.add = [torch.zeros_like(f) for f in flats]
                     kind.sub = [torch.zeros_like(f) for f in flats]
                     if g.me != src:
-                        for b, sub in zip(buckets, kind.sub):
-                            torch_compat.pack_into(sub, [start.get(id(ts[j]), ts[j]) for j in b.indices])
+                        for sub, part in zip(kind.sub, targets):
+                            torch_compat.copy_all(_views(sub, part), [start.get(id(t), t) for t in part])
                 self.kinds.append(kind)
+        self.head: torch.Tensor | None = None  # the first broadcast bucket's bytes plus 16: the source's check
+        self.tail = torch.zeros(2, dtype=torch.int64)
+        first = next((k for k in self.kinds if k.rule == "broadcast"), None)
+        if first is not None and not plan.bns:
+            b0 = first.buckets[0]
+            size = first.flats[0].numel() * first.flats[0].element_size()
+            padded = -(-size // 8) * 8
+            self.head = torch.zeros(padded + 16, dtype=torch.uint8, device=b0.device)
+            first.flats[0] = self.head[:size].view(first.flats[0].dtype)
+            first.views[0] = _views(first.flats[0], first.targets[0])
+            self.tail = self.head[padded:].view(torch.int64)
         self.counted = [bn for bn in plan.bns if bn.count is not None]
         self.bn_add = torch.zeros(len(self.counted), dtype=torch.float64)
         self.bn_sub = torch.tensor([0.0 if g.me == src else float(start.get(id(bn.count), bn.count))  # type: ignore
@@ -92,8 +122,9 @@ class _Steady:
         self.bn_sub, self.bn_add = old.bn_sub, old.bn_add
 
     def current(self) -> bool:
-        """Whether the model still has the very tensors the plan was made from (a cheap local check)."""
-        return self.key == tuple((id(t), t.shape, t.dtype, t.device) for _, t in self.plan.synced())
+        """Whether the model still has the very tensors the plan was made from, where they were (a cheap local
+        check: one dict lookup per buffer)."""
+        return all(table.get(k) is t for table, k, t in self.owners)
 
 
 class KeepInSync:
@@ -139,17 +170,21 @@ class KeepInSync:
             return
         g, deadline = self.g, _wire.Deadline(self.seconds)
         steady = self._steady
-        if steady is None or not steady.current():
-            plan = self.plan if steady is None else rules_mod.resolve(self.module, self._declared[0], _FN,
-                                                                        strict=self._declared[1])
+        if steady is None:  # the first sync: the full structure check, naming the first difference
+            steady = _Steady(g, self.plan, self.src, self._start)
+            _structure.agree(g, steady.call, steady.plan.synced(), deadline, _FN)
+            self._steady = steady
+        announce = steady.digest
+        if not steady.current():  # tensors were replaced here: the same structure carries on with them
+            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1])
             fresh = _Steady(g, plan, self.src, self._start)
-            if steady is None:  # the first sync: the full structure check, naming the first difference
-                _structure.agree(g, fresh.call, fresh.plan.synced(), deadline, _FN)
-            elif fresh.digest == steady.digest:  # the same structure, new tensors: carry the bases over
+            if fresh.digest == steady.digest:
                 fresh.carry(steady)
-            self._steady = steady = fresh
+                self._steady = steady = fresh
+            else:  # a new structure: this sync still runs the agreed collectives, announcing it, and writes nothing
+                announce = fresh.digest
         try:
-            _sync(steady, self.src, deadline)
+            _sync(steady, self.src, deadline, announce)
         except BufferStructureError:
             self._steady = None  # the next sync agrees again, naming the difference
             raise
@@ -168,65 +203,82 @@ class KeepInSync:
         self.remove()
 
 
-def _sync(s: _Steady, src: int, deadline: _wire.Deadline) -> None:
-    """One steady-state sync (module docstring): pack, header (+ BatchNorm sums), the kinds' collectives, writes."""
+def _changed() -> BufferStructureError:
+    return BufferStructureError(f"{_FN}(): the model's buffers (or rules) changed since the last sync on some ranks "
+                                "and not on others; the next sync names the difference. No buffer was modified here")
+
+
+def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
+    """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or in the
+    source's first broadcast bucket, or alone), the kinds' collectives, writes. ``announce``: the structure digest
+    this rank has now (not the agreed one: it raises after the collectives, and so does every rank that can tell)."""
     g = s.g
     failure: BaseException | None = None
-    pack = torch.zeros(0, dtype=torch.float64)
+    pack = torch.zeros(0, dtype=torch.float64, device=g.device)
     try:
-        pack = bn_average._pack(s.plan.bns, g.device, s.bn_sub) if s.plan.bns else pack.to(g.device)
+        if s.plan.bns:
+            pack = bn_average._pack(s.plan.bns, g.device, s.bn_sub)
         for kind in s.kinds:
-            for i, b in enumerate(kind.buckets):
-                ts = [kind.tensors[j] for j in b.indices]
-                if kind.rule == "broadcast" and g.me != src:
-                    continue  # receivers take the bucket as it comes
-                flat = kind.flats[i]
-                torch_compat.pack_into(flat.view(torch.bool) if b.dtype == torch.bool else flat, ts)
+            if kind.rule == "broadcast" and g.me != src:
+                continue  # receivers take the buckets as they come
+            for i, flat in enumerate(kind.flats):
+                torch_compat.copy_all(kind.views[i], kind.targets[i], kind.buckets[i].dtype.is_complex)
                 if kind.sub is not None:
                     flat.sub_(kind.sub[i])  # "sum": what this rank added since the last sync
-    except BaseException as e:  # noqa: BLE001 - sent as this rank's flag in the header: every rank raises
+    except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
         failure = e
-    header = torch.zeros(g.size + 2, dtype=torch.float64, device=g.device)
-    header[g.me] = float(failure is not None)
-    header[g.size], header[g.size + 1] = s.d, s.d * s.d
-    if failure is not None:
-        pack = torch.zeros_like(pack)
-    combined = _wire.all_reduce(g, torch.cat([header, pack]), deadline, _FN)
-    header, pack = combined[:g.size + 2].cpu(), combined[g.size + 2:]
-    failed = tuple(r for r, f in zip(g.ranks, header[:g.size].tolist()) if f)
-    if failed:
-        _transaction.abort_if_any(g, [int(r in failed) for r in g.ranks], failure, deadline, f"{_FN}()",
-                                  "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
-    total, squares = float(header[g.size]), float(header[g.size + 1])
-    if total * total != g.size * squares:
-        raise BufferStructureError(f"{_FN}(): the model's buffers (or rules) changed since the last sync on some "
-                                   "ranks and not on others; the next sync names the difference. No buffer was "
-                                   "modified")
+    broadcast = next((k for k in s.kinds if k.rule == "broadcast"), None)
+    if s.plan.bns or broadcast is None:  # the all-reduce check: [failed per member, d, d^2]
+        header = torch.zeros(g.size + 2, dtype=torch.float64, device=g.device)
+        header[g.me] = float(failure is not None)
+        d = float(announce % (1 << _DIGEST_BITS))
+        header[g.size], header[g.size + 1] = d, d * d
+        if failure is not None:
+            pack = torch.zeros_like(pack)
+        combined = _wire.all_reduce(g, torch.cat([header, pack]), deadline, _FN)
+        header, pack = combined[:g.size + 2].cpu(), combined[g.size + 2:]
+        flags = header[:g.size].tolist()
+        if any(flags):
+            _transaction.abort_if_any(g, [int(f) for f in flags], failure, deadline, f"{_FN}()",
+                                      "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
+        total, squares = float(header[g.size]), float(header[g.size + 1])
+        if total * total != g.size * squares:
+            raise _changed()
+    else:  # the source's check travels in its first broadcast bucket: [failed, digest]
+        tail = s.tail
+        tail[0], tail[1] = (int(failure is not None), announce) if g.me == src else (0, 0)
     for kind in s.kinds:
-        for flat in kind.flats:
+        for i, flat in enumerate(kind.flats):
             if kind.rule == "broadcast":
-                dist_flat = _wire.wire_view(flat)
-                _wire.wait([dist.broadcast(dist_flat, src=g.global_rank(src), group=g.pg, async_op=True)], deadline,
-                           _FN)
+                wire = s.head if kind is broadcast and i == 0 and s.head is not None else _wire.wire_view(flat)
+                _wire.wait([dist.broadcast(wire, src=g.global_rank(src), group=g.pg, async_op=True)], deadline, _FN)
             else:
                 _wire.all_reduce(g, flat, deadline, _FN, op=_REDUCE[kind.rule])
+    if not s.plan.bns and broadcast is not None:
+        failed, theirs = (int(v) for v in s.tail.tolist())
+        if failed:
+            raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {g.global_rank(src)}; "
+                                   "no buffer was modified", (g.global_rank(src),), {})
+        if theirs != announce:
+            raise _changed()
+    if announce != s.digest:
+        raise _changed()
     with torch.no_grad():  # every collective completed: write (no collective below)
         if s.plan.bns:
             bn_average._write(s.plan.bns, pack, s.bn_add)
             s.bn_sub = s.bn_add = torch.tensor([float(bn.count) for bn in s.counted],  # type: ignore[arg-type]
                                                dtype=torch.float64)
         for kind in s.kinds:
-            for i, b in enumerate(kind.buckets):
-                if kind.rule == "broadcast" and g.me == src:
-                    continue
-                flat = kind.flats[i]
+            if kind.rule == "broadcast" and g.me == src:
+                continue
+            for i, flat in enumerate(kind.flats):
                 if kind.sub is not None and kind.add is not None:
                     flat.add_(kind.add[i])
                     kind.add[i].copy_(flat)
                     kind.sub[i].copy_(flat)
-                ts = [kind.tensors[j] for j in b.indices]
-                out = flat / g.size if kind.rule == "mean" else flat
-                torch_compat.unflatten_into(out.view(torch.bool) if b.dtype == torch.bool else out, ts)
+                if kind.rule == "mean":
+                    flat.div_(g.size)  # scratch: packed again at the next sync
+                torch_compat.copy_all(kind.targets[i], kind.views[i], kind.buckets[i].dtype.is_complex)
     for module, hook in s.plan.after:
         hook(module)
 

@@ -108,6 +108,7 @@ class Plan:
     assigned: list[Assigned]
     bns: list[_modules.BatchNorm] = field(default_factory=list)
     after: list[tuple[nn.Module, Callable[[nn.Module], Any]]] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)  # every module of the tree, where the buffers live
 
     def of(self, rule: str) -> list[Assigned]:
         return [a for a in self.assigned if a.rule == rule]
@@ -218,7 +219,7 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
                                        "was modified")
         if layer == {"bn"}:
             bns.append(bn)
-    return Plan(assigned, bns, list(after.values()))
+    return Plan(assigned, bns, list(after.values()), list(module.modules()))
 
 
 def _check_rule(name: str, t: torch.Tensor, rule: str, bn_stat: bool, source: str, fn: str) -> None:

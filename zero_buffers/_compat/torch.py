@@ -53,6 +53,17 @@ def pack_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
         _foreach_copy(list(_unflatten_dense_tensors(flat, list(ts))), [t.detach() for t in ts])
 
 
+def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], complex_: bool | None = None) -> None:
+    """``d.copy_(s)`` for every pair, with one fused kernel where torch has it (``complex_``: whether any is complex,
+    when the caller knows)."""
+    with torch.no_grad():
+        if complex_ if complex_ is not None else any(t.is_complex() for t in dst):
+            for d, s in zip(dst, src):
+                d.copy_(s)
+            return
+        _foreach_copy(list(dst), list(src))
+
+
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy and without NumPy (``pip install torch`` does not bring
     it): a ctypes view of the tensor's memory. The caller must keep ``t`` alive while the view is used (or use
