@@ -1,0 +1,101 @@
+"""Trainer integrations with the real libraries on 2 and 4 gloo ranks: every checkpoint the trainer writes carries
+synced buffers, reloaded in this (single) process and compared with the merge of what the ranks held right before
+the save (recorded by a callback that runs before ours)."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+from tests.test_bn_average import _mixture
+
+SAVE_STEPS, MAX_STEPS = 2, 4
+
+
+class _Images(torch.utils.data.Dataset):
+    """Images whose brightness depends on the index, so every rank's shard has its own statistics."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(i)
+        return {"pixel_values": torch.randn(3, 16, 16, generator=g) * (1 + i % 4) + 2.0 * (i % 4),
+                "labels": torch.tensor(i % 3)}
+
+
+def _stats(model: nn.Module) -> dict:
+    return {n: (int(m.num_batches_tracked), m.running_mean.double().clone(), m.running_var.double().clone())
+            for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+
+
+def _trainer_run(rank, world, folder, synced):
+    from accelerate.state import AcceleratorState, PartialState
+    from transformers import ResNetConfig, ResNetForImageClassification, Trainer, TrainerCallback, TrainingArguments
+
+    from zero_buffers.integrations.transformers import BufferSyncCallback
+
+    class Recorder(TrainerCallback):
+        """What each rank holds right before a save (runs before BufferSyncCallback)."""
+
+        def __init__(self):
+            self.before: dict[int, dict] = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if control.should_save:
+                self.before[state.global_step] = _stats(model)
+
+    env = dict(os.environ)
+    try:
+        torch.manual_seed(0)
+        model = ResNetForImageClassification(ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                                          depths=[1, 1], layer_type="basic", num_labels=3))
+        args = TrainingArguments(output_dir=folder, per_device_train_batch_size=4, max_steps=MAX_STEPS,
+                                 save_strategy="steps", save_steps=SAVE_STEPS, use_cpu=True, report_to=[],
+                                 ddp_backend="gloo", ddp_broadcast_buffers=False, dataloader_num_workers=0,
+                                 disable_tqdm=True, logging_strategy="no", save_only_model=True, seed=0)
+        recorder = Recorder()
+        callback = BufferSyncCallback() if synced else None
+        trainer = Trainer(model=model, args=args, train_dataset=_Images(),
+                          callbacks=[recorder] + ([callback] if callback else []))
+        trainer.train()
+        out = {"kind": type(trainer.model_wrapped).__name__, "world": trainer.args.world_size}
+        out["before"] = recorder.before
+        out["syncs"] = callback.syncs if callback else 0
+        return out
+    finally:
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _saved(folder: str, step: int) -> dict:
+    from safetensors.torch import load_file
+    sd = load_file(os.path.join(folder, f"checkpoint-{step}", "model.safetensors"))
+    layers = {k.rsplit(".", 1)[0] for k in sd if k.endswith("running_mean")}
+    return {n: (int(sd[f"{n}.num_batches_tracked"]), sd[f"{n}.running_mean"].double(), sd[f"{n}.running_var"].double())
+            for n in layers}
+
+
+def test_transformers_trainer_ddp_checkpoints_carry_the_merged_statistics(ranks):
+    with tempfile.TemporaryDirectory() as bug_dir, tempfile.TemporaryDirectory() as fix_dir:
+        bug = ranks.run(_trainer_run, bug_dir, False, timeout=300)
+        out = ranks.run(_trainer_run, fix_dir, True, timeout=300)
+        saved = {step: _saved(fix_dir, step) for step in (SAVE_STEPS, MAX_STEPS)}
+        as_is = _saved(bug_dir, MAX_STEPS)
+    assert [(o["kind"], o["world"]) for o in out] == [("DistributedDataParallel", len(out))] * len(out)
+    assert all(o["syncs"] == MAX_STEPS // SAVE_STEPS + 1 for o in out)  # each save, and the end of training
+    for step, stats in saved.items():
+        locals_ = [o["before"][step] for o in out]
+        for name, (count, mean, var) in stats.items():
+            n, ref_mean, ref_var = _mixture(locals_, name)
+            assert count == int(n.sum())
+            torch.testing.assert_close(mean, ref_mean.float().double(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(var, ref_var.float().double(), rtol=1e-5, atol=1e-6)
+    # without the callback the checkpoint holds rank 0's statistics
+    for name, (_, mean, _) in as_is.items():
+        assert torch.equal(mean, bug[0]["before"][MAX_STEPS][name][1].float().double())
+        assert not torch.allclose(mean, _mixture([o["before"][MAX_STEPS] for o in bug], name)[1], atol=1e-4)

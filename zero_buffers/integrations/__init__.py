@@ -1,0 +1,2 @@
+"""Trainer integrations, each importing its framework only when its module is imported:
+``zero_buffers.integrations.transformers`` (``Trainer``)."""
