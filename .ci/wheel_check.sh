@@ -33,7 +33,7 @@ print("core API from the wheel: ok")
 EOF
 listing="$("$work/venv/bin/zero-buffers" list)"
 echo "$listing"
-for name in buffers_diverge ddp_bn_checkpoint fsdp2_buffers zero3_load_buffers zero3_frozen_tokenizer zero3_frozen_hf_accelerate; do
+for name in buffers_diverge ddp_bn_checkpoint ema_codebook fsdp2_buffers zero3_load_buffers zero3_frozen_tokenizer zero3_frozen_hf_accelerate; do
   grep -q "^$name " <<<"$listing" || { echo "zero-buffers list misses $name"; exit 1; }
 done
 "$work/venv/bin/python" - <<'EOF'

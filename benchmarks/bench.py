@@ -782,6 +782,8 @@ def markdown(all_results: list[dict], meta: dict) -> str:
                     v = r.get(k, "")
                     if isinstance(v, float) and "rel_diff" in k:
                         cells.append(f"{v:.2e}")
+                    elif isinstance(v, float) and k.endswith("_pct"):
+                        cells.append(f"{v:+.1f} %")
                     elif isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
                         cells.append(f"{v:.2f}x")
                     elif isinstance(v, float) and "MB" in k:

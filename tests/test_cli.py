@@ -68,6 +68,14 @@ def test_fsdp2_repro_shows_each_bug_and_its_fix():
     assert "0 all-gathers" not in frozen[0] and "0 all-gathers" in frozen[1]
 
 
+def test_ema_codebook_repro_shows_the_lost_updates_and_the_exact_fix():
+    out = _cli("repro", "ema_codebook", "--nproc", "2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX", "REF"))]
+    assert "RESULT: all fixes hold" in out.stdout and [r[:3] for r in rows] == ["BUG", "BUG", "FIX", "REF"]
+    assert all(r.rstrip().endswith("yes") for r in rows[:3])
+
+
 def test_unknown_repro_is_a_usage_error():
     out = _cli("repro", "no_such_script")
     assert out.returncode == 2 and "unknown repro 'no_such_script'" in out.stderr

@@ -99,3 +99,60 @@ def test_transformers_trainer_ddp_checkpoints_carry_the_merged_statistics(ranks)
     for name, (_, mean, _) in as_is.items():
         assert torch.equal(mean, bug[0]["before"][MAX_STEPS][name][1].float().double())
         assert not torch.allclose(mean, _mixture([o["before"][MAX_STEPS] for o in bug], name)[1], atol=1e-4)
+
+
+class _Tagged(nn.Module):
+    """A BatchNorm net with an EMA buffer (a mean across ranks) and a per-rank cache (left alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("cache", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _accelerate_rules(rank, world, folder):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    import zero_buffers as zb
+    env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        torch.manual_seed(0)
+        net = _Tagged()
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        accelerator.backward(model(torch.randn(8, 4) * (1 + rank) + rank).sum())
+        opt.step()
+        with torch.no_grad():
+            net.ema.copy_(torch.arange(3.0) + 10 * rank)
+            net.cache.fill_(rank)
+        before = {"bn": (int(net.net[1].num_batches_tracked), net.net[1].running_mean.double().clone(),
+                         net.net[1].running_var.double().clone())}
+        with zb.sync_buffers_on_save(accelerator, rules={"ema": "mean", "cache": "local"}):
+            accelerator.save_state(folder)
+        return before, net.cache.clone()
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_accelerate_save_state_with_rules_carries_each_buffer_by_its_rule(ranks):
+    with tempfile.TemporaryDirectory() as folder:
+        out = ranks.run(_accelerate_rules, folder, timeout=180)
+        from safetensors.torch import load_file
+        saved = load_file(os.path.join(folder, "model.safetensors"))
+    world = len(out)
+    torch.testing.assert_close(saved["ema"], torch.arange(3.0) + 10 * (world - 1) / 2)  # the mean of the ranks'
+    assert torch.equal(saved["cache"], torch.zeros(2))  # "local": rank 0's own, untouched by the sync
+    assert all(torch.equal(o[1], torch.full((2,), float(r))) for r, o in enumerate(out))
+    n, mean, var = _mixture([o[0] for o in out], "bn")
+    torch.testing.assert_close(saved["net.1.running_mean"].double(), mean.float().double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(saved["net.1.running_var"].double(), var.float().double(), rtol=1e-5, atol=1e-6)
+    assert int(saved["net.1.num_batches_tracked"]) == int(n.sum())

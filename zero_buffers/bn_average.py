@@ -129,8 +129,8 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor
             var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
             bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
             bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
-            if bn.count is not None:
-                bn.count.fill_(round(before + total))
+            if bn.count is not None:  # saturating: merging again and again (every step) must not overflow mid-write
+                bn.count.fill_(min(round(before + total), torch.iinfo(bn.count.dtype).max))
             merged += 1
     return merged
 

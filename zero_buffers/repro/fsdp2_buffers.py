@@ -1,5 +1,8 @@
-"""FSDP2 (fully_shard) never syncs buffers: random init, meta init + to_empty, DCP saves of diverged BatchNorm
-statistics and frozen modules, each BUG against its zero_buffers FIX.
+"""FSDP2 never syncs buffers: random init, meta init + to_empty, DCP saves, frozen modules; each BUG and its FIX.
+
+fully_shard keeps every buffer a plain per-rank tensor: random initial values differ, meta init + to_empty leaves
+garbage or meta buffers, dcp.save writes one rank's diverged BatchNorm statistics, a frozen module is all-gathered
+in every forward.
 
 Run: zero-buffers repro fsdp2_buffers --nproc 2   (or: torchrun --nproc-per-node 2 repro/fsdp2_buffers.py)
 """
