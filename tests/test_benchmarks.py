@@ -22,7 +22,10 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     assert run["world"] == 2 and data["meta"]["quick"] is True
     results = run["results"]
     assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real",
-                            "recompute_modes", "fsdp2"}
+                            "recompute_modes", "fsdp2", "keep_in_sync"}
+    kept = {r["what"].split(",")[0]: r for r in results["keep_in_sync"]}
+    assert kept["sync"]["keep_in_sync"] > 0 and kept["sync"]["raw_flat_broadcast"] > 0
+    assert any(w.startswith("ResNet-18 train step") and "overhead_pct" in r for w, r in kept.items())
     fsdp2 = {r["what"]: r for r in results["fsdp2"]}
     assert {"broadcast_buffers", "buffer_report", "frozen forward 1x3x4x16x16"} == set(fsdp2)
     assert all(fsdp2[w][k] > 0 for w in ("broadcast_buffers", "buffer_report")

@@ -182,3 +182,74 @@ def test_accelerate_save_state_with_rules_carries_each_buffer_by_its_rule(ranks)
     torch.testing.assert_close(saved["net.1.running_mean"].double(), mean.float().double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(saved["net.1.running_var"].double(), var.float().double(), rtol=1e-5, atol=1e-6)
     assert int(saved["net.1.num_batches_tracked"]) == int(n.sum())
+
+
+def _lightning_run(rank, world, folder, synced):
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.strategies import DDPStrategy
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from zero_buffers.integrations.lightning import BufferSyncCallback
+
+    class Classifier(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = ResNetForImageClassification(ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                                                 depths=[1, 1], layer_type="basic", num_labels=3))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(**batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class Recorder(pl.Callback):
+        """What each rank holds right before a checkpoint is built (runs before BufferSyncCallback)."""
+
+        def __init__(self):
+            self.before: dict[int, dict] = {}
+            self.kind = ""
+
+        def on_train_start(self, trainer, pl_module):
+            self.kind = type(trainer.strategy.model).__name__  # what trains: DDP around the module
+
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            self.before[trainer.global_step] = _stats(pl_module)
+
+    env = dict(os.environ)
+    try:
+        recorder, ours = Recorder(), BufferSyncCallback()
+        saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=SAVE_STEPS, save_top_k=-1, filename="{step}")
+        trainer = pl.Trainer(accelerator="cpu", devices=world, max_steps=MAX_STEPS, logger=False,
+                             strategy=DDPStrategy(broadcast_buffers=False, process_group_backend="gloo"),
+                             callbacks=[recorder, *([ours] if synced else []), saver], enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=folder, num_sanity_val_steps=0)
+        trainer.fit(Classifier(), torch.utils.data.DataLoader(_Images(), batch_size=4))
+        return {"before": recorder.before, "syncs": ours.syncs, "kind": recorder.kind}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_lightning_ddp_checkpoints_carry_the_merged_statistics(ranks):
+    with tempfile.TemporaryDirectory() as bug_dir, tempfile.TemporaryDirectory() as fix_dir:
+        bug = ranks.run(_lightning_run, bug_dir, False, timeout=300)
+        out = ranks.run(_lightning_run, fix_dir, True, timeout=300)
+        saved = {s: torch.load(os.path.join(fix_dir, f"step={s}.ckpt"), weights_only=False)["state_dict"]
+                 for s in (SAVE_STEPS, MAX_STEPS)}
+        as_is = torch.load(os.path.join(bug_dir, f"step={MAX_STEPS}.ckpt"), weights_only=False)["state_dict"]
+    assert [o["kind"] for o in out] == ["DistributedDataParallel"] * len(out)
+    assert all(o["syncs"] == MAX_STEPS // SAVE_STEPS for o in out)  # each checkpoint; none more at the end
+    for step, state in saved.items():
+        locals_ = [o["before"][step] for o in out]
+        for name in locals_[0]:
+            n, mean, var = _mixture(locals_, name)
+            assert int(state[f"{name}.num_batches_tracked"]) == int(n.sum())
+            torch.testing.assert_close(state[f"{name}.running_mean"].double(), mean.float().double(), rtol=1e-5,
+                                       atol=1e-6)
+            torch.testing.assert_close(state[f"{name}.running_var"].double(), var.float().double(), rtol=1e-5,
+                                       atol=1e-6)
+    for name, stats in bug[0]["before"][MAX_STEPS].items():  # without it: rank 0's statistics
+        assert torch.equal(as_is[f"{name}.running_mean"].double(), stats[1].float().double())
