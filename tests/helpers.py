@@ -297,3 +297,15 @@ DS_NESTING_CHECK = deepspeed_source_has("DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR
 DS_SANITY_WRITE_CHECK = deepspeed_source_has("_param_versions")
 # transformers 5.x broadcasts checkpoint buffers in from_pretrained under ZeRO-3; 4.x loads them on rank 0 only.
 HF5 = package_major("transformers") >= 5
+
+
+def messages(calls: dict, error: type = Exception) -> dict:
+    """Each call's ``error`` message by name (None when it returned): how bad-input tests compare ranks' errors."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except error as e:
+            out[name] = str(e)
+    return out

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal
+from tests.helpers import bitwise_equal, messages
 from tests.test_bn_average import _mixture
 
 TIMEOUT = 240
@@ -502,7 +502,6 @@ def _fsdp1_and_bad_input(rank, world):
     out["trained"] = inner[1].running_mean.double().clone()
     zb.average_bn_stats(model)
     out["after"] = (inner[1].running_mean.double().clone(), inner[1].running_var.double().clone())
-    errors = {}
     calls = {"include_parameters": lambda: zb.broadcast_buffers(model, include_parameters=True)}
     mixed = nn.ModuleDict({"a": FullyShardedDataParallel(nn.Linear(2, 2), device_id=torch.device("cpu")),
                            "b": nn.Linear(2, 2)})
@@ -518,13 +517,7 @@ def _fsdp1_and_bad_input(rank, world):
     holder.register_buffer("table", distribute_tensor(torch.ones(4), init_device_mesh("cpu", (world,)),
                                                       [Replicate()]))
     calls["dtensor_buffer"] = lambda: zb.broadcast_buffers(holder)
-    for key, call in calls.items():
-        try:
-            call()
-            errors[key] = None
-        except zb.InvalidArgumentError as e:
-            errors[key] = str(e)
-    out["errors"] = errors
+    out["errors"] = messages(calls, zb.InvalidArgumentError)
     out["unchanged"] = torch.equal(inner[1].running_mean.double(), out["after"][0])
     return out
 

@@ -13,15 +13,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .. import _args
-from ..checkpoint import _check_policy, sync_buffers
 from ..errors import InvalidArgumentError
-from ..rules import Rules
-
-_FN = "BufferSyncCallback"
+from ._sync import SyncCallback
 
 
-class BufferSyncCallback(TrainerCallback):
+class BufferSyncCallback(SyncCallback, TrainerCallback):
     """Sync the model's buffers by ``policy`` / ``rules`` (as :func:`zero_buffers.sync_buffers`) before each
     checkpoint the Trainer writes and when training ends; with ``every_step=True`` after every optimizer step too.
 
@@ -31,32 +27,15 @@ class BufferSyncCallback(TrainerCallback):
                           callbacks=[BufferSyncCallback(rules={"*.cluster_size": "mean"})])
     """
 
-    def __init__(self, policy: str | None = "average", *, rules: Rules | None = None, strict: bool = False,
-                 every_step: bool = False, src: int = 0, timeout: _args.Timeout = None):
-        _check_policy(policy, None, _FN, rules=rules)
-        if policy == "recompute":
-            raise InvalidArgumentError(f"{_FN}(): policy 'recompute' needs each rank's data; call "
-                                       "zero_buffers.sync_buffers(model, 'recompute', data=...) yourself")
-        self.policy, self.rules, self.strict = policy, rules, _args.flag(strict, "strict", _FN)
-        self.every_step = _args.flag(every_step, "every_step", _FN)
-        self.src = _args.rank(src, "src", _FN)
-        self.timeout = timeout
-        _args.timeout(timeout, _FN)
-        self.syncs = 0
-        self._synced_at: int | None = None  # the global step of the last sync
-
     def _sync(self, model: Any, step: int) -> None:
         if model is None:
-            raise InvalidArgumentError(f"{_FN}: the Trainer passed no model to its callbacks")
-        sync_buffers(model, self.policy, rules=self.rules, strict=self.strict, src=self.src,  # type: ignore[arg-type]
-                     timeout=self.timeout)
-        self.syncs += 1
-        self._synced_at = step
+            raise InvalidArgumentError(f"{self.NAME}: the Trainer passed no model to its callbacks")
+        self.options.sync(model, step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.every_step or control.should_save:
+        if self.options.every_step or control.should_save:
             self._sync(model, state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self._synced_at != state.global_step:  # nothing trained since the last sync: every rank decides alike
+        if self.options.due(state.global_step):  # nothing trained since the last sync: no second one
             self._sync(model, state.global_step)

@@ -1,0 +1,60 @@
+"""What both trainer callbacks take and do: a sync by policy / rules, at most once per global step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _args
+from ..checkpoint import _check_policy, sync_buffers
+from ..errors import InvalidArgumentError
+from ..rules import Rules
+
+
+@dataclass
+class StepSync:
+    """The callback's arguments, checked at construction; ``sync(model, step)`` counts and remembers the step."""
+
+    policy: str | None
+    rules: Rules | None
+    strict: bool
+    every_step: bool
+    src: int
+    timeout: _args.Timeout
+    syncs: int = 0
+    synced_at: int | None = None
+
+    @classmethod
+    def checked(cls, fn: str, policy: str | None, rules: Rules | None, strict: bool, every_step: bool, src: int,
+                timeout: _args.Timeout) -> StepSync:
+        _check_policy(policy, None, fn, rules=rules)
+        if policy == "recompute":
+            raise InvalidArgumentError(f"{fn}(): policy 'recompute' needs each rank's data; call "
+                                       "zero_buffers.sync_buffers(model, 'recompute', data=...) yourself")
+        _args.timeout(timeout, fn)
+        return cls(policy, rules, _args.flag(strict, "strict", fn), _args.flag(every_step, "every_step", fn),
+                   _args.rank(src, "src", fn), timeout)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` was not synced yet (every rank decides alike: the step counts are the same)."""
+        return self.synced_at != step
+
+    def sync(self, model: Any, step: int) -> None:
+        sync_buffers(model, self.policy, rules=self.rules, strict=self.strict, src=self.src,  # type: ignore[arg-type]
+                     timeout=self.timeout)
+        self.syncs += 1
+        self.synced_at = step
+
+
+class SyncCallback:
+    """The constructor and counter both trainer callbacks share (each also derives from its framework's class)."""
+
+    NAME = "BufferSyncCallback"
+
+    def __init__(self, policy: str | None = "average", *, rules: Rules | None = None, strict: bool = False,
+                 every_step: bool = False, src: int = 0, timeout: _args.Timeout = None):
+        self.options = StepSync.checked(self.NAME, policy, rules, strict, every_step, src, timeout)
+
+    @property
+    def syncs(self) -> int:
+        """How many syncs this callback ran."""
+        return self.options.syncs
