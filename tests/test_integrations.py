@@ -80,6 +80,18 @@ def _trainer_run(rank, world, folder, synced, zero3=False):
         os.environ.update(env)
 
 
+def _merged(out: list, step: int, name: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The reference for what a save at ``step`` holds: the ranks' statistics before it, merged with weights = the
+    batches each rank counted since the previous save (whose total every rank then held), the count the previous
+    total plus those. The callbacks' repeated syncs never count a batch twice."""
+    base = 0
+    for earlier in sorted(s for s in out[0]["before"] if s < step):
+        base += sum(o["before"][earlier][name][0] - base for o in out)
+    locals_ = [{name: (o["before"][step][name][0] - base, *o["before"][step][name][1:])} for o in out]
+    n, mean, var = _mixture(locals_, name)
+    return base + int(n.sum()), mean, var
+
+
 def _saved(folder: str, step: int) -> dict:
     from safetensors.torch import load_file
     sd = load_file(os.path.join(folder, f"checkpoint-{step}", "model.safetensors"))
@@ -95,11 +107,10 @@ def test_transformers_trainer_deepspeed_zero3_checkpoints_carry_the_merged_stati
                                           f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"), weights_only=False)
                   for r in range(len(out))]
     assert [o["kind"] for o in out] == ["DeepSpeedEngine"] * len(out)
-    locals_ = [o["before"][MAX_STEPS] for o in out]
     for state in states:  # each rank wrote its own buffers: now every file holds the merge
-        for name in locals_[0]:
-            n, mean, var = _mixture(locals_, name)
-            assert int(state["module"][f"{name}.num_batches_tracked"]) == int(n.sum())
+        for name in out[0]["before"][MAX_STEPS]:
+            count, mean, var = _merged(out, MAX_STEPS, name)
+            assert int(state["module"][f"{name}.num_batches_tracked"]) == count
             torch.testing.assert_close(state["module"][f"{name}.running_mean"].double(), mean.float().double(),
                                        rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(state["module"][f"{name}.running_var"].double(), var.float().double(),
@@ -115,10 +126,9 @@ def test_transformers_trainer_ddp_checkpoints_carry_the_merged_statistics(ranks)
     assert [(o["kind"], o["world"]) for o in out] == [("DistributedDataParallel", len(out))] * len(out)
     assert all(o["syncs"] == MAX_STEPS // SAVE_STEPS for o in out)  # each save; the last step was one: none at the end
     for step, stats in saved.items():
-        locals_ = [o["before"][step] for o in out]
         for name, (count, mean, var) in stats.items():
-            n, ref_mean, ref_var = _mixture(locals_, name)
-            assert count == int(n.sum())
+            ref_count, ref_mean, ref_var = _merged(out, step, name)
+            assert count == ref_count
             torch.testing.assert_close(mean, ref_mean.float().double(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(var, ref_var.float().double(), rtol=1e-5, atol=1e-6)
     # without the callback the checkpoint holds rank 0's statistics
@@ -243,10 +253,9 @@ def test_lightning_ddp_checkpoints_carry_the_merged_statistics(ranks):
     assert [o["kind"] for o in out] == ["DistributedDataParallel"] * len(out)
     assert all(o["syncs"] == MAX_STEPS // SAVE_STEPS for o in out)  # each checkpoint; none more at the end
     for step, state in saved.items():
-        locals_ = [o["before"][step] for o in out]
-        for name in locals_[0]:
-            n, mean, var = _mixture(locals_, name)
-            assert int(state[f"{name}.num_batches_tracked"]) == int(n.sum())
+        for name in out[0]["before"][step]:
+            count, mean, var = _merged(out, step, name)
+            assert int(state[f"{name}.num_batches_tracked"]) == count
             torch.testing.assert_close(state[f"{name}.running_mean"].double(), mean.float().double(), rtol=1e-5,
                                        atol=1e-6)
             torch.testing.assert_close(state[f"{name}.running_var"].double(), var.float().double(), rtol=1e-5,

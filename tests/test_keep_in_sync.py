@@ -191,3 +191,61 @@ def test_bad_input_is_refused_when_installing_before_any_collective(ranks2):
     assert "every must be an int >= 1" in out[0]["every=0"] and "unknown rule 'total'" in out[0]["unknown rule"]
     assert "'router.tokens' (int64) has rule 'mean'" in out[0]["mean of int"]
     assert "expects a torch.nn.Module" in out[0]["not a module"]
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) + self.ema
+
+
+def _changes(rank, world):
+    out = {}
+    torch.manual_seed(0)
+    model = Small()
+    handle = zb.keep_in_sync(model, rules={"ema": "mean"})
+    # two train forwards before one backward: the sync before the second writes statistics the first saved
+    a = model(torch.randn(4, 3) + rank)
+    b = model(torch.randn(4, 3) - rank)
+    (a.sum() + b.square().sum()).backward()
+    out["two_forwards"] = handle.syncs
+    out["second_handle"] = messages({"again": lambda: zb.keep_in_sync(model)}, zb.InvalidArgumentError)["again"]
+    with torch.no_grad():  # tensors swapped for new ones of the same structure: taken up, nothing lost
+        model._buffers["ema"] = torch.full((3,), float(rank))
+    handle.sync()
+    out["swapped"] = model.ema.clone()
+    model._buffers["extra"] = torch.full((2,), float(rank))  # every rank changes: every rank raises, then agrees
+    out["changed"] = messages({"sync": handle.sync}, zb.BufferStructureError)["sync"]
+    handle.sync()
+    out["extra"] = model.extra.clone()
+    handle.remove()
+    plain = nn.Module()  # broadcast only: the check travels with the source; a receiver's own change is its own
+    plain.register_buffer("table", torch.full((4,), float(rank)))
+    only = zb.keep_in_sync(plain)
+    only.sync()
+    if rank == world - 1:
+        plain._buffers["table"] = torch.zeros(5)
+    out["receiver_change"] = messages({"sync": only.sync}, zb.BufferStructureError)["sync"]
+    out["table"] = plain.table.clone()
+    only.remove()
+    return out
+
+
+def test_keep_in_sync_survives_autograd_swapped_tensors_and_structure_changes(ranks):
+    out = ranks.run(_changes, timeout=240)
+    world = len(out)
+    for r, o in enumerate(out):
+        assert o["two_forwards"] == 2  # it synced before the second forward and the backward still ran
+        assert "already kept in sync by another handle" in o["second_handle"]
+        torch.testing.assert_close(o["swapped"], torch.full((3,), (world - 1) / 2))
+        assert "changed since the last sync" in o["changed"] and "next sync names" in o["changed"]
+        assert torch.equal(o["extra"], torch.zeros(2))  # agreed again, then broadcast from rank 0
+        if r == world - 1:
+            assert "here, not on the source" in o["receiver_change"] and torch.equal(o["table"], torch.zeros(5))
+        else:
+            assert o["receiver_change"] is None and torch.equal(o["table"], torch.zeros(4))

@@ -109,9 +109,11 @@ def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tenso
     return torch.cat(parts)
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None) -> int:
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None,
+           untracked: bool = False) -> int:
     """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count.
-    ``base`` (as in :func:`_pack`) is added back to the counters."""
+    ``base`` (as in :func:`_pack`) is added back to the counters. ``untracked``: through ``.data``, so a forward's
+    autograd graph that saved the statistics (BatchNorm does, for its backward) is not invalidated by the write."""
     offsets, offset = [], 0
     for bn in bns:
         offsets.append(offset)
@@ -127,10 +129,12 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor
             c = bn.mean.numel()
             mean = sums[start + 1:start + 1 + c] / total
             var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
-            bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
-            bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
+            target_mean, target_var = (bn.mean.data, bn.var.data) if untracked else (bn.mean, bn.var)
+            target_mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
+            target_var.copy_(var.to(bn.var.device, bn.var.dtype))
             if bn.count is not None:  # saturating: merging again and again (every step) must not overflow mid-write
-                bn.count.fill_(min(round(before + total), torch.iinfo(bn.count.dtype).max))
+                (bn.count.data if untracked else bn.count).fill_(min(round(before + total),
+                                                                     torch.iinfo(bn.count.dtype).max))
             merged += 1
     return merged
 

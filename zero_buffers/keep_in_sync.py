@@ -38,6 +38,7 @@ from ._compat import torch as torch_compat
 from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
 
 _FN = "keep_in_sync"
+_MARK = "_zero_buffers_keep_in_sync"  # on the module while a handle keeps it in sync
 _DIGEST_BITS = 20  # n * d^2 stays exact in float64 for any n below 2**12
 _REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -52,6 +53,8 @@ class _Kind:
     flats: list[torch.Tensor]
     targets: list[list[torch.Tensor]]  # per bucket: its tensors
     views: list[list[torch.Tensor]]  # per bucket: views of its flat shaped like them (made once)
+    names: list[list[str]]  # per bucket: its tensors' qualified names
+    writes: list[list[torch.Tensor]]  # per bucket: ``t.data`` of its tensors (writes autograd does not track)
     sub: list[torch.Tensor] | None = None  # "sum": what each rank subtracts before the all-reduce, per bucket
     add: list[torch.Tensor] | None = None  # "sum": what is added back to the all-reduced deltas
 
@@ -71,19 +74,25 @@ def _views(flat: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _Steady:
-    """What the first sync agreed on: the plan, its digest, the kinds with their buckets."""
+    """What one structure agreement settled: the plan, its digest, the kinds with their buckets, and the bases of
+    the "sum" buffers and BatchNorm counters (what each rank subtracts before, and what is added back after, the
+    all-reduce)."""
 
-    def __init__(self, g: _group.Group, plan: rules_mod.Plan, src: int, start: dict[int, torch.Tensor]):
-        """``start``: this rank's values of the "sum" buffers and BatchNorm counters when syncing began (by tensor
-        id). The first sync sums the source's value and every other rank's additions since then; each later sync
-        adds every rank's additions since the last one."""
+    def __init__(self, g: _group.Group, plan: rules_mod.Plan, src: int, bases: dict[str, torch.Tensor],
+                 first: bool):
+        """``bases``: by name, the values the last sync left (the same on every rank), or, at the ``first`` sync,
+        this rank's values when keep_in_sync was called: then the source's whole value counts (it subtracts nothing,
+        nothing is added back) and every other rank's additions since."""
         self.plan, self.g = plan, g
         entries = plan.synced()
         mine = {id(t) for _, t in entries}
         self.owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
                        if t is not None and id(t) in mine]  # where each synced tensor is registered
+        self.sizes = [(len(m._buffers), len(m._modules)) for m in plan.modules]  # buffers or modules added?
         self.call = (_FN, src, plan.signature)
         self.digest = _structure.digest(self.call, entries)
+        name_of = {id(a.tensor): a.name for a in plan.assigned}
+        counts_from_src = first and g.me == src
         self.kinds: list[_Kind] = []
         for rule in ("sum", "mean", "max", "min", "broadcast"):
             ts = [a.tensor for a in plan.of(rule)]
@@ -91,56 +100,70 @@ class _Steady:
             if buckets:
                 flats = [_flat_like(b) for b in buckets]
                 targets = [[ts[j] for j in b.indices] for b in buckets]
-                kind = _Kind(rule, ts, buckets, flats, targets, [_views(f, t) for f, t in zip(flats, targets)])
+                kind = _Kind(rule, ts, buckets, flats, targets, [_views(f, t) for f, t in zip(flats, targets)],
+                             [[name_of[id(t)] for t in part] for part in targets],
+                             [[t.data for t in part] for part in targets])
                 if rule == "sum":
-                    kind.add = [torch.zeros_like(f) for f in flats]
                     kind.sub = [torch.zeros_like(f) for f in flats]
-                    if g.me != src:
-                        for sub, part in zip(kind.sub, targets):
-                            torch_compat.copy_all(_views(sub, part), [start.get(id(t), t) for t in part])
+                    kind.add = [torch.zeros_like(f) for f in flats]
+                    for sub, add, part, names in zip(kind.sub, kind.add, targets, kind.names):
+                        base = [bases.get(n, t) for n, t in zip(names, part)]
+                        if not counts_from_src:
+                            torch_compat.copy_all(_views(sub, part), base)
+                        if not first:
+                            torch_compat.copy_all(_views(add, part), base)
                 self.kinds.append(kind)
         self.head: torch.Tensor | None = None  # the first broadcast bucket's bytes plus 16: the source's check
         self.tail = torch.zeros(2, dtype=torch.int64)
-        first = next((k for k in self.kinds if k.rule == "broadcast"), None)
-        if first is not None and not plan.bns:
-            b0 = first.buckets[0]
-            size = first.flats[0].numel() * first.flats[0].element_size()
+        first_bcast = next((k for k in self.kinds if k.rule == "broadcast"), None)
+        if first_bcast is not None and len(self.kinds) == 1 and not plan.bns:  # broadcast only: receivers pack nothing
+            b0 = first_bcast.buckets[0]
+            size = first_bcast.flats[0].numel() * first_bcast.flats[0].element_size()
             padded = -(-size // 8) * 8
             self.head = torch.zeros(padded + 16, dtype=torch.uint8, device=b0.device)
-            first.flats[0] = self.head[:size].view(first.flats[0].dtype)
-            first.views[0] = _views(first.flats[0], first.targets[0])
+            first_bcast.flats[0] = self.head[:size].view(first_bcast.flats[0].dtype)
+            first_bcast.views[0] = _views(first_bcast.flats[0], first_bcast.targets[0])
             self.tail = self.head[padded:].view(torch.int64)
         self.counted = [bn for bn in plan.bns if bn.count is not None]
-        self.bn_add = torch.zeros(len(self.counted), dtype=torch.float64)
-        self.bn_sub = torch.tensor([0.0 if g.me == src else float(start.get(id(bn.count), bn.count))  # type: ignore
-                                    for bn in self.counted], dtype=torch.float64)
+        self.count_names = [f"{bn.name}.num_batches_tracked" if bn.name else "num_batches_tracked"
+                            for bn in self.counted]
+        base_counts = [float(bases.get(n, bn.count)) for n, bn in zip(self.count_names, self.counted)]  # type: ignore
+        self.bn_sub = torch.tensor([0.0] * len(base_counts) if counts_from_src else base_counts, dtype=torch.float64)
+        self.bn_add = torch.tensor([0.0] * len(base_counts) if first else base_counts, dtype=torch.float64)
 
-    def carry(self, old: _Steady) -> None:
-        """The same structure with new tensors: keep what the last sync left."""
-        for new, kind in zip(self.kinds, old.kinds):
-            new.sub, new.add = kind.sub, kind.add
-        self.bn_sub, self.bn_add = old.bn_sub, old.bn_add
+    def bases(self) -> dict[str, torch.Tensor]:
+        """By name, what the last sync left of the "sum" buffers and BatchNorm counters (for a new agreement)."""
+        out: dict[str, torch.Tensor] = {}
+        for kind in self.kinds:
+            if kind.add is not None:
+                for add, part, names in zip(kind.add, kind.targets, kind.names):
+                    out.update({n: v.clone() for n, v in zip(names, _views(add, part))})
+        out.update({n: torch.tensor(v) for n, v in zip(self.count_names, self.bn_add.tolist())})
+        return out
 
     def current(self) -> bool:
-        """Whether the model still has the very tensors the plan was made from, where they were (a cheap local
-        check: one dict lookup per buffer)."""
-        return all(table.get(k) is t for table, k, t in self.owners)
+        """Whether the model still has the very tensors the plan was made from, where they were, and no buffer or
+        submodule more (a cheap local check: one dict lookup per buffer, two lengths per module)."""
+        return all(table.get(k) is t for table, k, t in self.owners) and \
+            self.sizes == [(len(m._buffers), len(m._modules)) for m in self.plan.modules]
 
 
 class KeepInSync:
     """Handle returned by :func:`keep_in_sync`: ``sync()`` syncs now (every rank), ``remove()`` stops it (also a
     context manager); ``syncs`` counts the syncs done."""
 
-    def __init__(self, target: Any, module: nn.Module, plan: rules_mod.Plan, declared: tuple[Any, bool],
+    def __init__(self, target: Any, module: nn.Module, plan: rules_mod.Plan, declared: tuple[Any, bool, str],
                  g: _group.Group | None, src: int, every: int, seconds: float | None, engine: bool):
         self.target, self.module, self.plan, self.g, self.src = target, module, plan, g, src
-        self._declared = declared  # (rules, strict) as passed: a re-resolve after tensors were swapped uses them
+        self._declared = declared  # (rules, strict, BatchNorm default) as passed: every re-resolve uses them
         self.every, self.seconds = every, seconds
         self.syncs = 0
         self._ticks = 0
         self._steady: _Steady | None = None
-        self._start = {id(t): t.detach().clone() for t in
-                       [a.tensor for a in plan.of("sum")] + [bn.count for bn in plan.bns if bn.count is not None]}
+        self._last: _Steady | None = None  # the last agreement that synced: its bases carry over to the next one
+        counters = {id(bn.count) for bn in plan.bns if bn.count is not None}
+        self._start = {a.name: a.tensor.detach().clone() for a in plan.assigned
+                       if a.rule == "sum" or id(a.tensor) in counters}
         self._undo: Callable[[], None]
         if engine:
             original = target.step
@@ -157,6 +180,7 @@ class KeepInSync:
         else:
             handle = module.register_forward_pre_hook(lambda m, args: self._tick() if m.training else None)
             self._undo = handle.remove
+        module.__dict__[_MARK] = self  # a second handle would keep bases of its own: "sum" and "bn" would compound
         self._installed = True
 
     def _tick(self) -> None:
@@ -170,30 +194,41 @@ class KeepInSync:
             return
         g, deadline = self.g, _wire.Deadline(self.seconds)
         steady = self._steady
-        if steady is None:  # the first sync: the full structure check, naming the first difference
-            steady = _Steady(g, self.plan, self.src, self._start)
-            _structure.agree(g, steady.call, steady.plan.synced(), deadline, _FN)
+        if steady is None:  # an agreement (the first sync, or after a change every rank saw): named differences
+            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
+                                     bn_default=self._declared[2])
+            last = self._last
+            steady = _Steady(g, plan, self.src, last.bases() if last else self._start, first=last is None)
+            _structure.agree(g, steady.call, plan.synced(), deadline, _FN)
+            problem = _transaction.unsendable(g, plan.synced(), _FN)
+            if problem is not None:
+                raise problem
             self._steady = steady
+            self.plan = plan
         announce = steady.digest
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
-            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1])
-            fresh = _Steady(g, plan, self.src, self._start)
+            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
+                                     bn_default=self._declared[2])
+            fresh = _Steady(g, plan, self.src, steady.bases(), first=self._last is None)
             if fresh.digest == steady.digest:
-                fresh.carry(steady)
                 self._steady = steady = fresh
             else:  # a new structure: this sync still runs the agreed collectives, announcing it, and writes nothing
                 announce = fresh.digest
         try:
             _sync(steady, self.src, deadline, announce)
-        except BufferStructureError:
-            self._steady = None  # the next sync agrees again, naming the difference
+        except _Changed as e:
+            if e.everyone:
+                self._steady = None  # every rank raised: the next sync agrees again, naming the difference
             raise
+        self._last = steady
         self.syncs += 1
 
     def remove(self) -> None:
         """Stop syncing (idempotent)."""
         if self._installed:
             self._undo()
+            if self.module.__dict__.get(_MARK) is self:
+                del self.module.__dict__[_MARK]
             self._installed = False
 
     def __enter__(self) -> KeepInSync:
@@ -203,9 +238,16 @@ class KeepInSync:
         self.remove()
 
 
-def _changed() -> BufferStructureError:
-    return BufferStructureError(f"{_FN}(): the model's buffers (or rules) changed since the last sync on some ranks "
-                                "and not on others; the next sync names the difference. No buffer was modified here")
+class _Changed(BufferStructureError):
+    """The structure changed on some ranks. ``everyone``: every rank raised it (then every rank agrees again at the
+    next sync, naming the difference); else only this rank knows (a receiver whose own buffers changed, when only the
+    source's check travels), and it keeps running the agreed collectives, raising each time, while the others sync."""
+
+    def __init__(self, everyone: bool):
+        super().__init__(f"{_FN}(): the model's buffers (or rules) changed since the last sync on some ranks and not "
+                         "on others" + ("; the next sync names the difference" if everyone else
+                                        " (here, not on the source)") + ". No buffer was modified here")
+        self.everyone = everyone
 
 
 def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
@@ -243,7 +285,7 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                                       "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
         total, squares = float(header[g.size]), float(header[g.size + 1])
         if total * total != g.size * squares:
-            raise _changed()
+            raise _Changed(everyone=True)
     else:  # the source's check travels in its first broadcast bucket: [failed, digest]
         tail = s.tail
         tail[0], tail[1] = (int(failure is not None), announce) if g.me == src else (0, 0)
@@ -259,13 +301,15 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
         if failed:
             raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {g.global_rank(src)}; "
                                    "no buffer was modified", (g.global_rank(src),), {})
-        if theirs != announce:
-            raise _changed()
+        if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
+            raise _Changed(everyone=True)
+        if announce != s.digest:  # only this receiver changed
+            raise _Changed(everyone=False)
     if announce != s.digest:
-        raise _changed()
+        raise _Changed(everyone=True)
     with torch.no_grad():  # every collective completed: write (no collective below)
         if s.plan.bns:
-            bn_average._write(s.plan.bns, pack, s.bn_add)
+            bn_average._write(s.plan.bns, pack, s.bn_add, untracked=True)
             s.bn_sub = s.bn_add = torch.tensor([float(bn.count) for bn in s.counted],  # type: ignore[arg-type]
                                                dtype=torch.float64)
         for kind in s.kinds:
@@ -278,13 +322,14 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                     kind.sub[i].copy_(flat)
                 if kind.rule == "mean":
                     flat.div_(g.size)  # scratch: packed again at the next sync
-                torch_compat.copy_all(kind.targets[i], kind.views[i], kind.buckets[i].dtype.is_complex)
+                torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
     for module, hook in s.plan.after:
         hook(module)
 
 
 def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules | None = None, src: int = 0,
-                 group: Any = None, timeout: _args.Timeout = None, strict: bool = False) -> KeepInSync:
+                 group: Any = None, timeout: _args.Timeout = None, strict: bool = False,
+                 _bn_default: str = "bn", _from_zero: bool = False) -> KeepInSync:
     """Keep ``model_or_engine``'s buffers in sync during training, by their rules; returns a :class:`KeepInSync`.
 
     A DeepSpeed engine syncs after every ``every``-th optimizer step; a module (plain, FSDP2, DDP's inner
@@ -313,8 +358,14 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
                                        "remove() the first handle")
     else:
         module = _modules.unwrap(_args.module(model_or_engine, _FN), _FN)
+    if module.__dict__.get(_MARK) is not None:
+        raise InvalidArgumentError(f"{_FN}(): this module is already kept in sync by another handle; remove() it "
+                                   "first (two handles would each count what the ranks added, twice)")
     g = _group.resolve(group, _FN)
     _group.check_src(g, src, _FN)
     strict = _args.flag(strict, "strict", _FN)
-    plan = rules_mod.resolve(module, rules, _FN, strict=strict)
-    return KeepInSync(model_or_engine, module, plan, (rules, strict), g, src, every, seconds, engine)
+    plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default)
+    handle = KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine)
+    if _from_zero:  # installed late (a trainer callback's first save): the first sync merges whole values
+        handle._start = {n: torch.zeros_like(t) for n, t in handle._start.items()}
+    return handle

@@ -189,6 +189,7 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
             elif (found := _class_rule(mod, key, classes)) is not None:
                 rule, k = found
                 used.add(k)
+                used.add((k, key))
                 source = f"class {_label(k)}"
             elif (found := _class_rule(mod, key, _REGISTRY)) is not None:
                 rule, k = found
@@ -200,15 +201,19 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
                 source = "default"
             _check_rule(name, buf, rule, id(buf) in stats, source, fn)
             assigned.append(Assigned(name, buf, rule, source))
-    for k in [*patterns, *classes]:
+    named = [(k, key) for k, v in classes.items() if isinstance(v, Mapping) for key in v]  # {class: {name: rule}}
+    for k in [*patterns, *classes, *named]:
         if k in used:
             continue
         if k in classes and any(isinstance(m, k) for m in module.modules()):
-            continue  # the class is there; its mapping named no buffer of it that other rules left
-        message = f"{fn}(): rule {_label(k)!r} matches no buffer of the model"
+            continue  # the class is there (a name its mapping lists but no instance has is reported below)
+        if isinstance(k, tuple) and not any(isinstance(m, k[0]) for m in module.modules()):
+            continue  # the class itself is missing: reported once, above
+        what = f"{_label(k[0])}: {{{k[1]!r}: ...}}" if isinstance(k, tuple) else _label(k)
+        message = f"{fn}(): rule {what!r} matches no buffer of the model"
         if strict:
             raise InvalidArgumentError(message + " (strict=True). No buffer was modified")
-        _notice.warn(message, once=f"rules:{_label(k)}", stacklevel=4)
+        _notice.warn(message, once=f"rules:{what}", stacklevel=4)
     bns = []
     rule_of = {id(a.tensor): a.rule for a in assigned}
     for bn in _modules.tracking_bn(module):
@@ -259,7 +264,8 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
 
     def prepare() -> Any:
         space = _wire.send_space(broadcast, buckets) if source else _wire.receive_space(buckets)
-        flats = {rule: [_flat([tensors[rule][i] for i in b.indices]) for b in bs] for rule, bs in reduced.items()}
+        flats = {rule: [_flat([tensors[rule][i] for i in b.indices]).to(g.device) for b in bs]
+                 for rule, bs in reduced.items()}
         pack = bn_average._pack(plan.bns, g.device) if plan.bns and sums is None else None
         return space, flats, pack
 
@@ -268,8 +274,8 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
         if pack is not None:
             _wire.all_reduce(g, pack, deadline, fn)
         for rule, parts in flats.items():
-            for i, flat in enumerate(parts):
-                parts[i] = _wire.all_reduce(g, flat.to(g.device), deadline, fn, op=getattr(dist.ReduceOp, _OPS[rule]))
+            for flat in parts:
+                _wire.all_reduce(g, flat, deadline, fn, op=getattr(dist.ReduceOp, _OPS[rule]))
         _wire.broadcast(g, broadcast, buckets, src, space, deadline, fn)
 
     def write(prepared: Any) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _args
+from .. import _args, _modules
 from ..checkpoint import _check_policy, sync_buffers
 from ..errors import InvalidArgumentError
+from ..keep_in_sync import KeepInSync, keep_in_sync
 from ..rules import Rules
 
 
@@ -22,6 +23,7 @@ class StepSync:
     timeout: _args.Timeout
     syncs: int = 0
     synced_at: int | None = None
+    handle: KeepInSync | None = None
 
     @classmethod
     def checked(cls, fn: str, policy: str | None, rules: Rules | None, strict: bool, every_step: bool, src: int,
@@ -39,10 +41,26 @@ class StepSync:
         return self.synced_at != step
 
     def sync(self, model: Any, step: int) -> None:
-        sync_buffers(model, self.policy, rules=self.rules, strict=self.strict, src=self.src,  # type: ignore[arg-type]
-                     timeout=self.timeout)
+        """Sync now. Syncs repeat (every save, every step), so they go through a :func:`keep_in_sync` handle without
+        its hook: counters and "sum" buffers add what the ranks added since the last sync, never compound."""
+        if self.policy == "check":
+            sync_buffers(model, "check", src=self.src, timeout=self.timeout)
+        else:
+            if self.handle is None or self.handle.module is not _modules.unwrap(model, "BufferSyncCallback"):
+                self.begin(model, from_zero=True)  # not begun with training: the first sync merges whole values
+            assert self.handle is not None
+            self.handle.sync()
         self.syncs += 1
         self.synced_at = step
+
+    def begin(self, model: Any, from_zero: bool = False) -> None:
+        """At the start of training: what the ranks add from now on is what the syncs count."""
+        if self.policy == "check" or model is None:
+            return
+        self.handle = keep_in_sync(model, rules=self.rules, src=self.src, timeout=self.timeout, strict=self.strict,
+                                   _bn_default="broadcast" if self.policy == "broadcast" else "bn",
+                                   _from_zero=from_zero)
+        self.handle.remove()  # no hook: the callback decides when
 
 
 class SyncCallback:

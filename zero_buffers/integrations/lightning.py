@@ -25,6 +25,9 @@ class BufferSyncCallback(SyncCallback, pl.Callback):
         trainer = pl.Trainer(strategy="ddp", callbacks=[BufferSyncCallback(rules={"*.cluster_size": "mean"})])
     """
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.options.begin(pl_module)
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.options.every_step:
             self.options.sync(pl_module, trainer.global_step)

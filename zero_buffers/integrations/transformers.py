@@ -3,8 +3,11 @@
 The Trainer asks its callbacks ``on_step_end`` whether to save, then writes the checkpoint, then calls ``on_save``
 (too late: the files are written). This callback syncs in ``on_step_end`` when the step will be saved (every rank
 runs it; the Trainer's own flow callback, which decides ``control.should_save``, runs before user callbacks), at
-the end of training unless the last step was just synced (so a ``trainer.save_model()`` after ``train()`` carries
-them), and, with ``every_step=True``, after every optimizer step. On the DeepSpeed ZeRO-3 path each rank writes
+the end of an epoch that will be saved (``save_strategy="epoch"``), at every evaluation when
+``save_strategy="best"`` (the Trainer decides after the evaluation, with no callback in between), at the end of
+training unless the last step was just synced (so a ``trainer.save_model()`` after ``train()`` carries them), and,
+with ``every_step=True``, after every optimizer step. Repeated syncs go through :func:`keep_in_sync`'s arithmetic:
+counters and "sum" buffers never compound. On the DeepSpeed ZeRO-3 path each rank writes
 its own ``zero_pp_rank_*_model_states.pt`` with its own buffers: after the sync they are equal.
 """
 from __future__ import annotations
@@ -32,8 +35,21 @@ class BufferSyncCallback(SyncCallback, TrainerCallback):
             raise InvalidArgumentError(f"{self.NAME}: the Trainer passed no model to its callbacks")
         self.options.sync(model, step)
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.options.begin(model)
+
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.options.every_step or control.should_save:
+            self._sync(model, state.global_step)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if control.should_save and self.options.due(state.global_step):  # save_strategy="epoch" decides here
+            self._sync(model, state.global_step)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        # save_strategy="best" decides after the evaluation, with no callback in between: sync at every evaluation
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best" and self.options.due(
+                state.global_step):
             self._sync(model, state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
