@@ -11,10 +11,11 @@ difference). Every later sync re-checks locally that the buffers are the tensors
 each; replaced tensors of the same structure are taken up) and then pays one collective per reduction kind and
 bucket (dtype within a kind: int64 stays int64), into flat buckets and views kept between calls, writing only once
 every collective completed. The cross-rank check rides along: ``[failed flag per member, d, d^2]`` (``d``: 20 bits
-of the structure digest; equal on every rank exactly when ``(sum d)^2 == n * sum d^2``) in front of the BatchNorm
-all-reduce; without a ``"bn"`` rule, the source's ``[failed, digest]`` in the last 16 bytes of its first broadcast
+of the structure digest: the ranks' ``d`` are all equal exactly when ``(sum d)^2 == n * sum d^2``; two different
+structures share their 20 bits about once in a million) in front of the BatchNorm all-reduce, or alone when there
+is none; for a plan that only broadcasts, the source's ``[failed, full digest]`` in the last 16 bytes of its first
 bucket (then a receiver whose own structure changed raises alone, after the collectives, having written nothing,
-while the others take the source's values); with neither, one small all-reduce of its own.
+while the others take the source's values).
 
 Repeated syncs do not compound: ``"bn"`` weights and counts each rank's batches since the last sync
 (``num_batches_tracked`` stays the count of all ranks' batches), ``"sum"`` adds what each rank added since the last
@@ -337,7 +338,8 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     :func:`sync_buffers` (default: BatchNorm statistics ``"bn"``, the rest ``"broadcast"`` from ``src``, or the
     rules classes registered); they are resolved and checked now, before any collective. Installing issues no
     collective; the first sync agrees on the structure, every later one costs one collective per reduction kind
-    and bucket (plus a small header when no rule is ``"bn"``). ``timeout`` bounds each sync.
+    and bucket (plus one small all-reduce when rules reduce but none is ``"bn"``). ``timeout`` bounds each sync.
+    One handle per module at a time.
 
     Example::
 
