@@ -262,3 +262,51 @@ def test_lightning_ddp_checkpoints_carry_the_merged_statistics(ranks):
                                        atol=1e-6)
     for name, stats in bug[0]["before"][MAX_STEPS].items():  # without it: rank 0's statistics
         assert torch.equal(as_is[f"{name}.running_mean"].double(), stats[1].float().double())
+
+
+def _accelerate_two_saves(rank, world, folder):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    import zero_buffers as zb
+    env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        torch.manual_seed(0)
+        net = _Tagged()
+        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        before = []
+        with zb.sync_buffers_on_save(accelerator, "average"):
+            for save in range(2):
+                accelerator.backward(model(torch.randn(8, 4) * (1 + rank) + rank + save).sum())
+                opt.step()
+                before.append({"bn": (int(net.net[1].num_batches_tracked), net.net[1].running_mean.double().clone(),
+                                      net.net[1].running_var.double().clone())})
+                accelerator.save_state(os.path.join(folder, f"save{save}"))
+            accelerator.save_state(os.path.join(folder, "again"))  # no training since: nothing changes
+        return before
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_repeated_save_state_with_the_hook_counts_each_batch_once(ranks):
+    with tempfile.TemporaryDirectory() as folder:
+        out = ranks.run(_accelerate_two_saves, folder, timeout=180)
+        from safetensors.torch import load_file
+        saved = [load_file(os.path.join(folder, d, "model.safetensors")) for d in ("save0", "save1", "again")]
+    world = len(out)
+    first = [o[0] for o in out]
+    n, mean, _ = _mixture(first, "bn")
+    assert int(saved[0]["net.1.num_batches_tracked"]) == int(n.sum()) == world  # one batch per rank
+    torch.testing.assert_close(saved[0]["net.1.running_mean"].double(), mean.float().double(), rtol=1e-5, atol=1e-6)
+    # the second save: one more batch per rank, weighted as such; the count is a count of batches, not world**2
+    deltas = [{"bn": (o[1]["bn"][0] - world, *o[1]["bn"][1:])} for o in out]
+    _, mean2, var2 = _mixture(deltas, "bn")
+    assert int(saved[1]["net.1.num_batches_tracked"]) == 2 * world
+    torch.testing.assert_close(saved[1]["net.1.running_mean"].double(), mean2.float().double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(saved[1]["net.1.running_var"].double(), var2.float().double(), rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(saved[2][k], saved[1][k]) for k in saved[1])

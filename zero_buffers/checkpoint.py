@@ -238,6 +238,36 @@ class SaveHook:
 _MISSING = object()
 
 
+class _RepeatedSaves:
+    """The syncs of one save hook. The first save of a model is :func:`sync_buffers` (the merge of every rank's whole
+    statistics); after it every rank holds the same buffers, so each later save goes through a hookless
+    :func:`keep_in_sync` begun there: counters and "sum" buffers add what the ranks added since the last save, and a
+    save with no training in between changes nothing (merging whole counters again would multiply them by the world
+    size at every save). ``"recompute"`` and ``"check"`` are one-shot by nature and stay so."""
+
+    def __init__(self, policy: str | None, options: dict[str, Any]):
+        self.policy, self.options = policy, options
+        self.handles: dict[int, Any] = {}
+
+    def sync(self, model: Any) -> None:
+        if self.policy in ("recompute", "check"):
+            sync_buffers(model, self.policy, **self.options)  # type: ignore[arg-type]
+            return
+        inner = _modules.unwrap(model, "sync_buffers_on_save")
+        handle = self.handles.get(id(inner))
+        if handle is not None and handle.module is inner:
+            handle.sync()
+            return
+        sync_buffers(model, self.policy, **self.options)  # type: ignore[arg-type]
+        from .keep_in_sync import keep_in_sync
+        o = self.options
+        handle = keep_in_sync(inner, rules=o["rules"], src=o["src"], group=o["group"], timeout=o["timeout"],
+                              strict=o["strict"], _bn_default="broadcast" if self.policy == "broadcast" else "bn",
+                              _equal_now=True)
+        handle.remove()  # no hook: the saves decide when
+        self.handles[id(inner)] = handle
+
+
 def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,
                          strict: bool = False, src: int = 0, data: Any = None,
                          num_batches: int | None = None, group: Any = None, timeout: _args.Timeout = None,
@@ -277,20 +307,22 @@ def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: ru
                    timeout=timeout, progress=progress, device=device, forward=forward,
                    global_batch=_args.flag(global_batch, "global_batch", "sync_buffers_on_save"))
 
+    repeated = _RepeatedSaves(policy, options)
+
     if acc_compat.is_accelerator(target):
         acc_compat.prepared_models(target)  # fail now, not at the first save, on an Accelerate without it
 
         def sync_accelerator(acc: Any, name: str, args: tuple, kwargs: dict) -> None:
             if name == "save_state":
                 for model in acc_compat.prepared_models(acc):
-                    sync_buffers(model, policy, **options)
+                    repeated.sync(model)
             else:  # get_state_dict / save_model(model, ...): collective only for a ZeRO-3 engine or an FSDP model,
                 # whose state dict every rank must build anyway
                 model = args[0] if args else kwargs.get("model")
                 zero3 = model is not None and ds_compat.is_engine(model) and ds_compat.engine_is_zero3(model)
                 if model is not None and (zero3 or (isinstance(model, nn.Module)
                                                     and any(_modules.fsdp_kinds(model, name)))):
-                    sync_buffers(model, policy, **options)
+                    repeated.sync(model)
                 else:
                     _notice.warn(
                         f"accelerator.{name}() writes the model's buffers as this rank holds them (rank 0's "
@@ -302,7 +334,7 @@ def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: ru
 
     if ds_compat.is_engine(target):
         def sync_engine(engine: Any, name: str, args: tuple, kwargs: dict) -> None:
-            sync_buffers(engine.module, policy, **options)
+            repeated.sync(engine.module)
         return SaveHook(target, ds_compat.ENGINE_SAVE_METHODS, sync_engine)
 
     raise InvalidArgumentError(

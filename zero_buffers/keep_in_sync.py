@@ -162,6 +162,7 @@ class KeepInSync:
         self._ticks = 0
         self._steady: _Steady | None = None
         self._last: _Steady | None = None  # the last agreement that synced: its bases carry over to the next one
+        self._equal_at_start = False  # every rank held the same values when the handle was made (just synced)
         counters = {id(bn.count) for bn in plan.bns if bn.count is not None}
         self._start = {a.name: a.tensor.detach().clone() for a in plan.assigned
                        if a.rule == "sum" or id(a.tensor) in counters}
@@ -199,7 +200,8 @@ class KeepInSync:
             plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
                                      bn_default=self._declared[2])
             last = self._last
-            steady = _Steady(g, plan, self.src, last.bases() if last else self._start, first=last is None)
+            steady = _Steady(g, plan, self.src, last.bases() if last else self._start,
+                             first=last is None and not self._equal_at_start)
             _structure.agree(g, steady.call, plan.synced(), deadline, _FN)
             problem = _transaction.unsendable(g, plan.synced(), _FN)
             if problem is not None:
@@ -210,7 +212,7 @@ class KeepInSync:
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
             plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
                                      bn_default=self._declared[2])
-            fresh = _Steady(g, plan, self.src, steady.bases(), first=self._last is None)
+            fresh = _Steady(g, plan, self.src, steady.bases(), first=self._last is None and not self._equal_at_start)
             if fresh.digest == steady.digest:
                 self._steady = steady = fresh
             else:  # a new structure: this sync still runs the agreed collectives, announcing it, and writes nothing
@@ -330,7 +332,7 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
 
 def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules | None = None, src: int = 0,
                  group: Any = None, timeout: _args.Timeout = None, strict: bool = False,
-                 _bn_default: str = "bn", _from_zero: bool = False) -> KeepInSync:
+                 _bn_default: str = "bn", _from_zero: bool = False, _equal_now: bool = False) -> KeepInSync:
     """Keep ``model_or_engine``'s buffers in sync during training, by their rules; returns a :class:`KeepInSync`.
 
     A DeepSpeed engine syncs after every ``every``-th optimizer step; a module (plain, FSDP2, DDP's inner
@@ -370,4 +372,5 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     handle = KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine)
     if _from_zero:  # installed late (a trainer callback's first save): the first sync merges whole values
         handle._start = {n: torch.zeros_like(t) for n, t in handle._start.items()}
+    handle._equal_at_start = _equal_now  # right after a sync: every rank counts only what it adds from now on
     return handle
