@@ -3,6 +3,7 @@ synced buffers, reloaded in this (single) process and compared with the merge of
 the save (recorded by a callback that runs before ours)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -150,12 +151,14 @@ class _Tagged(nn.Module):
         return self.net(x)
 
 
-def _accelerate_rules(rank, world, folder):
+@contextlib.contextmanager
+def _accelerated():
+    """A DDP Accelerator on CPU (broadcast_buffers off) and the prepared _Tagged net and optimizer; Accelerate's
+    state and the environment are put back afterwards (the pool's workers live on)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedDataParallelKwargs
 
-    import zero_buffers as zb
     env = dict(os.environ)
     AcceleratorState._reset_state(True)
     try:
@@ -163,6 +166,16 @@ def _accelerate_rules(rank, world, folder):
         torch.manual_seed(0)
         net = _Tagged()
         model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        yield accelerator, net, model, opt
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def _accelerate_rules(rank, world, folder):
+    import zero_buffers as zb
+    with _accelerated() as (accelerator, net, model, opt):
         accelerator.backward(model(torch.randn(8, 4) * (1 + rank) + rank).sum())
         opt.step()
         with torch.no_grad():
@@ -173,10 +186,6 @@ def _accelerate_rules(rank, world, folder):
         with zb.sync_buffers_on_save(accelerator, rules={"ema": "mean", "cache": "local"}):
             accelerator.save_state(folder)
         return before, net.cache.clone()
-    finally:
-        AcceleratorState._reset_state(True)
-        os.environ.clear()
-        os.environ.update(env)
 
 
 def test_accelerate_save_state_with_rules_carries_each_buffer_by_its_rule(ranks):
@@ -265,18 +274,8 @@ def test_lightning_ddp_checkpoints_carry_the_merged_statistics(ranks):
 
 
 def _accelerate_two_saves(rank, world, folder):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedDataParallelKwargs
-
     import zero_buffers as zb
-    env = dict(os.environ)
-    AcceleratorState._reset_state(True)
-    try:
-        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-        torch.manual_seed(0)
-        net = _Tagged()
-        model, opt = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with _accelerated() as (accelerator, net, model, opt):
         before = []
         with zb.sync_buffers_on_save(accelerator, "average"):
             for save in range(2):
@@ -287,10 +286,6 @@ def _accelerate_two_saves(rank, world, folder):
                 accelerator.save_state(os.path.join(folder, f"save{save}"))
             accelerator.save_state(os.path.join(folder, "again"))  # no training since: nothing changes
         return before
-    finally:
-        AcceleratorState._reset_state(True)
-        os.environ.clear()
-        os.environ.update(env)
 
 
 def test_repeated_save_state_with_the_hook_counts_each_batch_once(ranks):
