@@ -37,8 +37,13 @@ def unwrap(module: nn.Module, fn: str) -> nn.Module:
 
 def fsdp_kinds(module: nn.Module, fn: str) -> tuple[bool, bool]:
     """(has FSDP1 units, has FSDP2 modules) in ``module``'s tree; InvalidArgumentError when it has both."""
+    return _kinds(module.named_modules(), fn)
+
+
+def _kinds(named: Iterable[tuple[str, nn.Module]], fn: str) -> tuple[bool, bool]:
+    """:func:`fsdp_kinds` over modules already listed."""
     one = two = None
-    for name, m in module.named_modules():
+    for name, m in named:
         if one is None and torch_compat.is_fsdp1(m):
             one = name
         if two is None and torch_compat.is_fsdp2(m):
@@ -76,8 +81,9 @@ def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_para
     skip = frozenset(ignore)
     out: list[Entry] = []
     seen: set[int] = set()
-    fsdp1, fsdp2 = fsdp_kinds(module, fn)
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
+    mods = list(module.named_modules(remove_duplicate=True))  # one walk of the tree for both passes
+    fsdp1, fsdp2 = _kinds(mods, fn)
+    for mod_name, mod in mods:
         for key, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
                 continue

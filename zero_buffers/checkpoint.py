@@ -85,9 +85,8 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
         plan = rules_mod.resolve(inner, rules, fn, strict=_args.flag(strict, "strict", fn),
                                  bn_default="broadcast" if policy == "broadcast" else "bn")
         if policy == "recompute":
-            odd = [a for a in plan.assigned if a.rule != "bn" and any(a.tensor is t for bn in
-                                                                       _modules.tracking_bn(inner)
-                                                                       for _, t in bn.entries())]
+            stats = {id(t) for _, t in _modules.bn_stat_entries(_modules.tracking_bn(inner))}
+            odd = [a for a in plan.assigned if a.rule != "bn" and id(a.tensor) in stats]
             if odd:
                 raise InvalidArgumentError(f"{fn}(): policy 'recompute' recomputes every BatchNorm's statistics, but "
                                            f"'{odd[0].name}' has rule {odd[0].rule!r} ({odd[0].source})")
@@ -263,7 +262,7 @@ class _RepeatedSaves:
         o = self.options
         handle = keep_in_sync(inner, rules=o["rules"], src=o["src"], group=o["group"], timeout=o["timeout"],
                               strict=o["strict"], _bn_default="broadcast" if self.policy == "broadcast" else "bn",
-                              _equal_now=True)
+                              _start="synced")
         handle.remove()  # no hook: the saves decide when
         self.handles[id(inner)] = handle
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,12 @@ from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
 
 _FN = "keep_in_sync"
 _MARK = "_zero_buffers_keep_in_sync"  # on the module while a handle keeps it in sync
+Start = Literal["installed", "zero", "synced"]
+"""What the first sync counts of the "sum" buffers and BatchNorm counters: ``"installed"`` (keep_in_sync): the
+source's whole value plus what every other rank added since the handle was made; ``"zero"`` (a trainer callback
+that began late): every rank's whole value; ``"synced"`` (a save hook, right after a sync left every rank equal):
+what every rank added since."""
 _DIGEST_BITS = 20  # n * d^2 stays exact in float64 for any n below 2**12
-_REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @dataclass
@@ -154,7 +158,8 @@ class KeepInSync:
     context manager); ``syncs`` counts the syncs done."""
 
     def __init__(self, target: Any, module: nn.Module, plan: rules_mod.Plan, declared: tuple[Any, bool, str],
-                 g: _group.Group | None, src: int, every: int, seconds: float | None, engine: bool):
+                 g: _group.Group | None, src: int, every: int, seconds: float | None, engine: bool,
+                 start: Start = "installed"):
         self.target, self.module, self.plan, self.g, self.src = target, module, plan, g, src
         self._declared = declared  # (rules, strict, BatchNorm default) as passed: every re-resolve uses them
         self.every, self.seconds = every, seconds
@@ -162,10 +167,11 @@ class KeepInSync:
         self._ticks = 0
         self._steady: _Steady | None = None
         self._last: _Steady | None = None  # the last agreement that synced: its bases carry over to the next one
-        self._equal_at_start = False  # every rank held the same values when the handle was made (just synced)
+        # what the first sync counts (see Start): only "installed" treats the source apart
+        self._source_whole = start == "installed"
         counters = {id(bn.count) for bn in plan.bns if bn.count is not None}
-        self._start = {a.name: a.tensor.detach().clone() for a in plan.assigned
-                       if a.rule == "sum" or id(a.tensor) in counters}
+        self._start = {a.name: torch.zeros_like(a.tensor) if start == "zero" else a.tensor.detach().clone()
+                       for a in plan.assigned if a.rule == "sum" or id(a.tensor) in counters}
         self._undo: Callable[[], None]
         if engine:
             original = target.step
@@ -185,6 +191,15 @@ class KeepInSync:
         module.__dict__[_MARK] = self  # a second handle would keep bases of its own: "sum" and "bn" would compound
         self._installed = True
 
+    def _resolve(self) -> rules_mod.Plan:
+        rules, strict, bn_default = self._declared
+        return rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default)
+
+    @property
+    def _first(self) -> bool:
+        """Whether the next sync is the first and counts the source's whole value (``start="installed"``)."""
+        return self._last is None and self._source_whole
+
     def _tick(self) -> None:
         self._ticks += 1
         if self._ticks % self.every == 0:
@@ -197,11 +212,8 @@ class KeepInSync:
         g, deadline = self.g, _wire.Deadline(self.seconds)
         steady = self._steady
         if steady is None:  # an agreement (the first sync, or after a change every rank saw): named differences
-            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
-                                     bn_default=self._declared[2])
-            last = self._last
-            steady = _Steady(g, plan, self.src, last.bases() if last else self._start,
-                             first=last is None and not self._equal_at_start)
+            plan = self._resolve()
+            steady = _Steady(g, plan, self.src, self._last.bases() if self._last else self._start, self._first)
             _structure.agree(g, steady.call, plan.synced(), deadline, _FN)
             problem = _transaction.unsendable(g, plan.synced(), _FN)
             if problem is not None:
@@ -210,9 +222,7 @@ class KeepInSync:
             self.plan = plan
         announce = steady.digest
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
-            plan = rules_mod.resolve(self.module, self._declared[0], _FN, strict=self._declared[1],
-                                     bn_default=self._declared[2])
-            fresh = _Steady(g, plan, self.src, steady.bases(), first=self._last is None and not self._equal_at_start)
+            fresh = _Steady(g, self._resolve(), self.src, steady.bases(), self._first)
             if fresh.digest == steady.digest:
                 self._steady = steady = fresh
             else:  # a new structure: this sync still runs the agreed collectives, announcing it, and writes nothing
@@ -298,7 +308,7 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                 wire = s.head if kind is broadcast and i == 0 and s.head is not None else _wire.wire_view(flat)
                 _wire.wait([dist.broadcast(wire, src=g.global_rank(src), group=g.pg, async_op=True)], deadline, _FN)
             else:
-                _wire.all_reduce(g, flat, deadline, _FN, op=_REDUCE[kind.rule])
+                _wire.all_reduce(g, flat, deadline, _FN, op=rules_mod.REDUCE_OPS[kind.rule])
     if not s.plan.bns and broadcast is not None:
         failed, theirs = (int(v) for v in s.tail.tolist())
         if failed:
@@ -332,7 +342,7 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
 
 def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules | None = None, src: int = 0,
                  group: Any = None, timeout: _args.Timeout = None, strict: bool = False,
-                 _bn_default: str = "bn", _from_zero: bool = False, _equal_now: bool = False) -> KeepInSync:
+                 _bn_default: str = "bn", _start: Start = "installed") -> KeepInSync:
     """Keep ``model_or_engine``'s buffers in sync during training, by their rules; returns a :class:`KeepInSync`.
 
     A DeepSpeed engine syncs after every ``every``-th optimizer step; a module (plain, FSDP2, DDP's inner
@@ -369,8 +379,5 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     _group.check_src(g, src, _FN)
     strict = _args.flag(strict, "strict", _FN)
     plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default)
-    handle = KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine)
-    if _from_zero:  # installed late (a trainer callback's first save): the first sync merges whole values
-        handle._start = {n: torch.zeros_like(t) for n, t in handle._start.items()}
-    handle._equal_at_start = _equal_now  # right after a sync: every rank counts only what it adds from now on
-    return handle
+    return KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine,
+                      _start)

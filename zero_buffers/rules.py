@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _modules, _notice, _transaction, _wire, bn_average
+from . import _modules, _notice, _transaction, _wire, bn_average, bn_recompute
 from ._compat import torch as torch_compat
 from ._group import Group
 from .errors import InvalidArgumentError
@@ -33,7 +33,8 @@ Rules = Mapping[Any, Any]
 """``{glob or module class: rule}``; a class may map to ``{buffer name: rule}``."""
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
-_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+"""The all-reduce of each element-wise rule ("mean" divides the sum afterwards)."""
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,8 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
     used: set[Any] = set()
     assigned: list[Assigned] = []
     seen: set[int] = set()
-    stats: dict[int, _modules.BatchNorm] = {id(t): bn for bn in _modules.tracking_bn(module)
-                                             for _, t in bn.entries()}
+    layers = _modules.tracking_bn(module)
+    stats = {id(t) for bn in layers for _, t in bn.entries()}
     after: dict[int, tuple[nn.Module, Callable[[nn.Module], Any]]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=True):
         for key, buf in mod._buffers.items():
@@ -216,7 +217,7 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
         _notice.warn(message, once=f"rules:{what}", stacklevel=4)
     bns = []
     rule_of = {id(a.tensor): a.rule for a in assigned}
-    for bn in _modules.tracking_bn(module):
+    for bn in layers:
         layer = {rule_of.get(id(t)) for _, t in bn.entries()}
         if "bn" in layer and layer != {"bn"}:
             raise InvalidArgumentError(f"{fn}(): BatchNorm '{bn.name}': 'bn' merges a layer's statistics together, "
@@ -259,7 +260,7 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
     broadcast = [a.tensor for a in plan.of("broadcast")]
     buckets = _wire.plan(broadcast)
     source = g.me == src
-    tensors = {rule: [a.tensor for a in plan.of(rule)] for rule in _OPS}
+    tensors = {rule: [a.tensor for a in plan.of(rule)] for rule in REDUCE_OPS}
     reduced = {rule: _wire.plan(ts) for rule, ts in tensors.items()}
 
     def prepare() -> Any:
@@ -275,7 +276,7 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
             _wire.all_reduce(g, pack, deadline, fn)
         for rule, parts in flats.items():
             for flat in parts:
-                _wire.all_reduce(g, flat, deadline, fn, op=getattr(dist.ReduceOp, _OPS[rule]))
+                _wire.all_reduce(g, flat, deadline, fn, op=REDUCE_OPS[rule])
         _wire.broadcast(g, broadcast, buckets, src, space, deadline, fn)
 
     def write(prepared: Any) -> None:
@@ -283,7 +284,6 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
         if pack is not None:
             bn_average._write(plan.bns, pack)
         elif sums is not None:
-            from . import bn_recompute
             bn_recompute.write(*sums)
         for rule, parts in flats.items():
             for b, flat in zip(reduced[rule], parts):

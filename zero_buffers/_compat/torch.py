@@ -211,16 +211,16 @@ def _fsdp_params(module: Any) -> Iterator[Any]:
 def fsdp2_managed(module: Any) -> set[int]:
     """ids of the parameters the ``fully_shard`` states inside ``module`` manage: each sharded DTensor and, once it
     was all-gathered, its unsharded plain parameter (registered while the group is unsharded)."""
-    out: set[int] = set()
     try:
-        for fp in _fsdp_params(module):
-            out.add(id(fp.sharded_param))
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is not None:
-                out.add(id(unsharded))
+        return {i for fp in _fsdp_params(module) for i in _param_ids(fp)}
     except AttributeError as e:
         raise missing("torch", "FSDPParam.sharded_param", str(e)) from e
-    return out
+
+
+def _param_ids(fp: Any) -> list[int]:
+    """ids of an FSDPParam's sharded DTensor and, once it was all-gathered, its unsharded plain parameter."""
+    unsharded = getattr(fp, "_unsharded_param", None)
+    return [id(fp.sharded_param)] + ([id(unsharded)] if unsharded is not None else [])
 
 
 def fsdp2_foreign(module: Any) -> list[str]:
@@ -240,9 +240,7 @@ def fsdp2_foreign(module: Any) -> list[str]:
             for fp in getattr(group, "fsdp_params", ()):
                 info = getattr(fp, "_module_info", None)
                 if info is not None and id(info.module) in inside:
-                    owned.add(id(fp.sharded_param))
-                    if getattr(fp, "_unsharded_param", None) is not None:
-                        owned.add(id(fp._unsharded_param))
+                    owned.update(_param_ids(fp))
     return [n for n, p in module.named_parameters() if id(p) in owned]
 
 

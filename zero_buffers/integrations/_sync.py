@@ -59,7 +59,7 @@ class StepSync:
             return
         self.handle = keep_in_sync(model, rules=self.rules, src=self.src, timeout=self.timeout, strict=self.strict,
                                    _bn_default="broadcast" if self.policy == "broadcast" else "bn",
-                                   _from_zero=from_zero)
+                                   _start="zero" if from_zero else "installed")
         self.handle.remove()  # no hook: the callback decides when
 
 
