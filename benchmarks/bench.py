@@ -588,33 +588,85 @@ def bench_fsdp2(ctx: dict) -> list[dict]:
     return rows
 
 
+class Codebooks(nn.Module):
+    """Four large buffers (a VQ codebook's embed, embed_avg, and two more of its size): bytes without tensor count."""
+
+    def __init__(self, size: int = 1024, dim: int = 256):
+        super().__init__()
+        for name in ("embed", "embed_avg", "embed_ema", "embed_prev"):
+            self.register_buffer(name, torch.rand(size, dim))
+
+
+def copy_floor(tensors: list[torch.Tensor], flats: list[torch.Tensor], src: int) -> Callable[[], None]:
+    """The least any sync that keeps the buffers in their own memory must do: the source packs each dtype with one
+    torch.cat(out=), one broadcast per dtype, receivers copy out with one fused _foreach_copy_ per dtype."""
+    groups = [[t for t in tensors if t.dtype == f.dtype] for f in flats]
+    sources = [[t.view(-1) for t in g] for g in groups]
+    views = [list(f.split([t.numel() for t in g])) for f, g in zip(flats, groups)]
+    targets = [[t.view(-1) for t in g] for g in groups]
+    source = dist.get_rank() == src
+
+    def run() -> None:
+        with torch.no_grad():
+            for f, srcs in zip(flats, sources):
+                if source:
+                    torch.cat(srcs, out=f)
+                dist.broadcast(f, src)
+            if not source:
+                for dst, v in zip(targets, views):
+                    torch._foreach_copy_(dst, v)
+    return run
+
+
 def bench_keep_in_sync(ctx: dict) -> list[dict]:
-    """Section 11: keep_in_sync's steady state. (a) One sync of ResNet-50's BatchNorm buffers against one raw
-    broadcast of the same flat bytes (the floor) and against the transactional sync_buffers, with every buffer
-    "broadcast" and with the default rules ("bn" merge); (b) a training step of transformers' ResNet-18 (batch 32,
-    DDP with broadcast_buffers=False) with and without keep_in_sync before every forward, steps alternating."""
+    """Section 11: keep_in_sync's steady state. (a) One sync of ResNet-50's BatchNorm buffers (159 tensors) and of
+    four 1 MB buffers, against one raw broadcast of the same flat bytes (the floor), against the copy floor (the
+    same broadcast plus the one-op pack and fused copy-out that any sync keeping each buffer in its own memory must
+    add) and against the transactional sync_buffers, with every buffer "broadcast"; with the default rules ("bn"
+    merge) also against one raw all-reduce of the float64 sums the merge moves; (b) a training step of
+    transformers' ResNet-18 (batch 32, DDP with broadcast_buffers=False) with and without keep_in_sync before every
+    forward, steps alternating."""
     from transformers import ResNetConfig, ResNetModel
 
     import zero_buffers as zb
 
     rows = []
     blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 6, 3)
-    for label, rules in (("every buffer 'broadcast'", {nn.BatchNorm2d: "broadcast"}), ("default rules ('bn')", None)):
-        model = scrambled(lambda: resnet_bn_net(blocks), ctx["rank"], ctx["device"])
+    cases = (("ResNet-50 BatchNorm, every buffer 'broadcast'", lambda: resnet_bn_net(blocks),
+              {nn.BatchNorm2d: "broadcast"}),
+             ("ResNet-50 BatchNorm, default rules ('bn')", lambda: resnet_bn_net(blocks), None),
+             ("4 buffers of 1 MB, 'broadcast'", lambda: Codebooks(64 if ctx["quick"] else 1024), None))
+    for label, builder, rules in cases:
+        model = scrambled(builder, ctx["rank"], ctx["device"])
         handle = zb.keep_in_sync(model, rules=rules)
         handle.sync()  # the first sync agrees on the structure; the steady state is what follows
         tensors = list(model.buffers())
         flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
                  for d in dict.fromkeys(t.dtype for t in tensors)]
-        t = timed_together({"keep_in_sync": handle.sync, "raw_flat_broadcast": lambda: raw_flat(flats, 0),
-                            "sync_buffers": lambda: zb.sync_buffers(model, rules=rules or {})},
-                           ctx["repeats"] * 3, ctx["device"])
+        fns = {"keep_in_sync": handle.sync, "raw_flat_broadcast": lambda: raw_flat(flats, 0),
+               "copy_floor": copy_floor(tensors, [f.clone() for f in flats], 0),
+               "sync_buffers": lambda: zb.sync_buffers(model, rules=rules or {})}
+        merge = None
+        if rules is None and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
+            bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+            merge = torch.rand(sum(1 + 2 * m.num_features for m in bns), dtype=torch.float64, device=ctx["device"])
+            fns = {"keep_in_sync": handle.sync, "raw_flat_broadcast": fns["raw_flat_broadcast"],
+                   "raw_merge_all_reduce": lambda: dist.all_reduce(merge), "sync_buffers": fns["sync_buffers"]}
+        t = timed_together(fns, ctx["repeats"] * 3, ctx["device"])
         handle.remove()
-        rows.append({"what": f"sync, {label}", "bytes": sum(f.numel() * f.element_size() for f in flats), **t,
-                     "steady_over_raw": t["keep_in_sync"] / t["raw_flat_broadcast"],
-                     "transactional_over_steady": t["sync_buffers"] / t["keep_in_sync"]})
-        ctx["log"](f"keep_in_sync {label}: steady/raw {rows[-1]['steady_over_raw']:.2f}x, "
-                   f"sync_buffers/steady {rows[-1]['transactional_over_steady']:.2f}x")
+        row = {"what": f"sync, {label}", "tensors": len(tensors),
+               "bytes": sum(f.numel() * f.element_size() for f in flats), **t,
+               "steady_over_raw": t["keep_in_sync"] / t["raw_flat_broadcast"]}
+        if merge is None:
+            row["steady_over_copy_floor"] = t["keep_in_sync"] / t["copy_floor"]
+        else:
+            row["steady_over_merge_all_reduce"] = t["keep_in_sync"] / t["raw_merge_all_reduce"]
+        row["transactional_over_steady"] = t["sync_buffers"] / t["keep_in_sync"]
+        rows.append(row)
+        ctx["log"](f"keep_in_sync {label}: steady/raw {row['steady_over_raw']:.2f}x, "
+                   + (f"steady/copy floor {row['steady_over_copy_floor']:.2f}x, " if merge is None else
+                      f"steady/merge all-reduce {row['steady_over_merge_all_reduce']:.2f}x, ")
+                   + f"sync_buffers/steady {row['transactional_over_steady']:.2f}x")
 
     torch.manual_seed(0)
     width = (8, 16, 16, 16) if ctx["quick"] else (64, 128, 256, 512)

@@ -23,8 +23,10 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     results = run["results"]
     assert set(results) == {"broadcast", "check", "frozen", "bn", "scaling", "report_diff", "memory", "frozen_real",
                             "recompute_modes", "fsdp2", "keep_in_sync"}
-    kept = {r["what"].split(",")[0]: r for r in results["keep_in_sync"]}
-    assert kept["sync"]["keep_in_sync"] > 0 and kept["sync"]["raw_flat_broadcast"] > 0
+    kept = {r["what"]: r for r in results["keep_in_sync"]}
+    syncs = [r for w, r in kept.items() if w.startswith("sync, ")]
+    assert len(syncs) == 3 and all(r["keep_in_sync"] > 0 and r["raw_flat_broadcast"] > 0 for r in syncs)
+    assert sum("copy_floor" in r for r in syncs) == 2 and sum("raw_merge_all_reduce" in r for r in syncs) == 1
     assert any(w.startswith("ResNet-18 train step") and "overhead_pct" in r for w, r in kept.items())
     fsdp2 = {r["what"]: r for r in results["fsdp2"]}
     assert {"broadcast_buffers", "buffer_report", "frozen forward 1x3x4x16x16"} == set(fsdp2)

@@ -249,3 +249,104 @@ def test_keep_in_sync_survives_autograd_swapped_tensors_and_structure_changes(ra
             assert "here, not on the source" in o["receiver_change"] and torch.equal(o["table"], torch.zeros(5))
         else:
             assert o["receiver_change"] is None and torch.equal(o["table"], torch.zeros(4))
+
+
+def _mixed_and_swapped(rank, world):
+    out = {}
+    model = nn.Module()  # no BatchNorm: a "mean" buffer beside a "broadcast" one (the check is one small all-reduce)
+    model.register_buffer("ema", torch.full((3,), float(rank)))
+    model.register_buffer("table", torch.full((2, 2), float(rank)))
+    model.register_buffer("flags", torch.tensor([rank == 1, False]))  # bool, "max": any rank
+    handle = zb.keep_in_sync(model, rules={"ema": "mean", "flags": "max"})
+    handle.sync()
+    out["first"] = {n: b.clone() for n, b in model.named_buffers()}
+    model.ema.add_(rank)  # in place: the kept buckets see it
+    model.table.data = torch.full((2, 2), 10.0 + rank)  # new memory under the same tensor: followed, not lost
+    handle.sync()
+    out["second"] = {n: b.clone() for n, b in model.named_buffers()}
+    handle.remove()
+    plain = nn.Module()  # broadcast only: a swap of the source's memory reaches every receiver
+    plain.register_buffer("table", torch.full((4,), float(rank)))
+    only = zb.keep_in_sync(plain)
+    only.sync()
+    if rank == 0:
+        plain.table.data = torch.full((4,), 7.0)
+    else:
+        plain.table.data = torch.full((4,), -1.0)  # a receiver's new memory is written too
+    only.sync()
+    out["plain"] = plain.table.clone()
+    only.remove()
+    return out
+
+
+def test_keep_in_sync_mixes_mean_and_broadcast_without_batchnorm_and_follows_swapped_memory(ranks):
+    out = ranks.run(_mixed_and_swapped, timeout=120)
+    world = len(out)
+    mean = (world - 1) / 2
+    for o in out:
+        torch.testing.assert_close(o["first"]["ema"], torch.full((3,), mean))
+        assert torch.equal(o["first"]["table"], torch.zeros(2, 2))
+        assert torch.equal(o["first"]["flags"], torch.tensor([True, False]))
+        torch.testing.assert_close(o["second"]["ema"], torch.full((3,), 2 * mean))
+        assert torch.equal(o["second"]["table"], torch.full((2, 2), 10.0))
+        assert torch.equal(o["plain"], torch.full((4,), 7.0))
+
+
+def _pack_fails(rank, world):
+    from zero_buffers import bn_average
+    out = {}
+    torch.manual_seed(0)
+    model = Small()
+    model(torch.randn(4, 3) + rank)  # BatchNorm statistics differ per rank
+    handle = zb.keep_in_sync(model, rules={"ema": "mean"})
+    handle.sync()
+    model(torch.randn(4, 3) * (rank + 1))
+    before = _digests(model)
+    real = bn_average._pack
+    for where in ("kind", "bn"):
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"simulated packing failure ({where})")
+        if rank == world - 1:  # one rank fails while packing: every rank raises the same error, nothing is written
+            if where == "kind":
+                handle._steady.kinds[0].pack = fail
+            else:
+                bn_average._pack = fail
+        try:
+            out[where] = messages({"sync": handle.sync}, zb.SyncAbortedError)["sync"]
+        finally:
+            handle._steady.kinds[0].__dict__.pop("pack", None)
+            bn_average._pack = real
+        out[f"{where}_unchanged"] = all(bitwise_equal(b, before[n]) for n, b in _digests(model).items())
+    handle.sync()  # and the next sync works
+    out["after"] = _digests(model)
+    handle.remove()
+    plain = nn.Module()  # broadcast only: the source fails packing its first bucket, then still sends every bucket
+    plain.register_buffer("table", torch.full((4,), float(rank)))
+    plain.register_buffer("count", torch.tensor(rank))
+    only = zb.keep_in_sync(plain)
+    only.sync()
+    plain.table.add_(1)
+    plain.count.add_(1)
+    kept = _digests(plain)
+    if rank == 0:
+        only._steady.kinds[0].pack = lambda i: (_ for _ in ()).throw(RuntimeError("simulated on the source"))
+    out["source"] = messages({"sync": only.sync}, zb.SyncAbortedError)["sync"]
+    only._steady.kinds[0].__dict__.pop("pack", None)
+    out["source_unchanged"] = all(bitwise_equal(b, kept[n]) for n, b in _digests(plain).items())
+    only.sync()
+    out["plain_after"] = _digests(plain)
+    only.remove()
+    return out
+
+
+def test_a_rank_failing_to_pack_makes_every_rank_raise_and_write_nothing(ranks):
+    out = ranks.run(_pack_fails, timeout=120)
+    world = len(out)
+    for o in out:
+        for where in ("kind", "bn"):
+            assert f"packing the buffers failed on rank {world - 1}" in o[where], o[where]
+            assert f"simulated packing failure ({where})" in o[where] and o[f"{where}_unchanged"]
+        assert "packing the buffers failed on the source, rank 0" in o["source"] and o["source_unchanged"]
+        assert all(bitwise_equal(b, out[0]["after"][n]) for n, b in o["after"].items())
+        assert torch.equal(o["plain_after"]["table"], torch.full((4,), 1.0))
+        assert int(o["plain_after"]["count"]) == 1

@@ -1,12 +1,14 @@
 """average_bn_stats: merge rank-local BatchNorm running statistics into those of all ranks' data."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import _args, _digest, _group, _modules, _notice, _transaction, _wire
+from ._compat import torch as torch_compat
 
 
 def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Timeout = None) -> int:
@@ -57,7 +59,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
         _wire.all_reduce(g, sums, deadline, fn)
 
     def apply(sums: torch.Tensor) -> None:
-        merged.append(_write(bns, sums))
+        merged.append(sum(total > 0 for total in _write(bns, sums)))
 
     contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply,
                                    extra=stats_digest(g, entries, fn))
@@ -86,55 +88,137 @@ def warn_identical(fn: str) -> None:
                  "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4)
 
 
-def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tensor | None = None) -> torch.Tensor:
-    """Per layer [n, n * mean (C), n * (var + mean^2) (C)] in float64 on ``device``; one host sync for the counters.
-    ``base``: every layer's counter at the last sync (float64, one per layer with a counter): ``n`` is then the
-    batches since (keep_in_sync: repeated merges must not count a batch twice)."""
+def _float64(ts: list[torch.Tensor], device: torch.device, stack: bool = False) -> torch.Tensor:
+    """The tensors concatenated (or stacked) as float64 on ``device``."""
+    join = torch.stack if stack else torch.cat
+    if len({(t.device, t.dtype) for t in ts}) == 1:
+        return join(ts).to(device, torch.float64)
+    return join([t.to(device, torch.float64) for t in ts])
+
+
+@dataclass
+class Layout:
+    """Where every layer's statistics sit in the merged sums ``[n per layer (L), n * mean (C), n * (var + mean^2)
+    (C)]`` (``C``: every layer's channels, in layer order; ``n`` is 1 for a layer without a counter), and the tensors
+    read and written: made once per structure (keep_in_sync keeps it between syncs)."""
+
+    bns: list[_modules.BatchNorm]
+    device: torch.device
+    channels: list[int]
+    index: torch.Tensor  # per channel, its layer (to spread per-layer counts over channels)
+    counted: list[int]  # the layers with a counter
+    maxima: list[int]  # per counted layer, the largest value its counter's dtype holds
+    direct: bool  # every statistic on ``device`` in one dtype: packed with torch.cat(out=), no per-layer copy
+    means: list[torch.Tensor]  # the tensors written: ``.data`` of each when untracked
+    vars: list[torch.Tensor]
+    counts: list[torch.Tensor]
+    mean_views: list[torch.Tensor] = field(default_factory=list)  # per layer, a view of the merged mean (float64)
+    var_views: list[torch.Tensor] = field(default_factory=list)
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # the float64 merged mean and var the views are into
+
+    @property
+    def numel(self) -> int:
+        return len(self.bns) + 2 * sum(self.channels)
+
+    def out(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float64 merged mean and var (kept, with their per-layer views)."""
+        if self.merged is None:
+            c = sum(self.channels)
+            self.merged = (torch.empty(c, dtype=torch.float64, device=self.device),
+                           torch.empty(c, dtype=torch.float64, device=self.device))
+            self.mean_views, self.var_views = list(self.merged[0].split(self.channels)), \
+                list(self.merged[1].split(self.channels))
+        return self.merged
+
+
+def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool = False) -> Layout:
+    """The :class:`Layout` of ``bns`` with its sums on ``device``. ``untracked``: writes go through ``.data``, so a
+    forward's autograd graph that saved the statistics (BatchNorm does, for its backward) is not invalidated."""
+    channels = [bn.mean.numel() for bn in bns]
+    index = torch.arange(len(bns), device=device).repeat_interleave(torch.tensor(channels, device=device)) \
+        if bns else torch.zeros(0, dtype=torch.long, device=device)
+    counts = [bn.count for bn in bns if bn.count is not None]
+    counted = [i for i, bn in enumerate(bns) if bn.count is not None]
+    stats = [t for bn in bns for t in (bn.mean, bn.var)]
+    direct = not stats or (len({(t.device, t.dtype) for t in stats}) == 1 and stats[0].device == device
+                           and all(t.device == device for t in counts))
+    most = {dtype: torch.iinfo(dtype).max for dtype in {t.dtype for t in counts}}
+
+    def target(t: torch.Tensor) -> torch.Tensor:
+        return t.data if untracked else t
+    return Layout(bns, device, channels, index, counted, [most[t.dtype] for t in counts], direct,
+                  [target(bn.mean) for bn in bns], [target(bn.var) for bn in bns], [target(t) for t in counts])
+
+
+def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tensor | None = None,
+          prefix: torch.Tensor | None = None, lay: Layout | None = None) -> torch.Tensor:
+    """The sums laid out as :class:`Layout` says, in float64 on ``device``, after ``prefix`` when given; a few
+    whole-model ops whatever the number of layers. ``base``: every layer's counter at the last sync (float64, one
+    per layer with a counter): ``n`` is then the batches since (keep_in_sync: repeated merges must not count a batch
+    twice). ``lay``: the layout kept from an earlier call."""
     if not bns:
-        return torch.zeros(0, dtype=torch.float64, device=device)
-    known = [bn.count.reshape(1).to(device, torch.float64) for bn in bns if bn.count is not None]
-    stacked = torch.cat(known) if known else torch.zeros(0, dtype=torch.float64, device=device)
-    if base is not None:
-        stacked = (stacked - base.to(device)).clamp_min(0)
-    parts, k = [], 0
-    for bn in bns:
-        if bn.count is None:
-            n = torch.ones(1, dtype=torch.float64, device=device)
+        return torch.zeros(0, dtype=torch.float64, device=device) if prefix is None else prefix
+    lay = layout(bns, device) if lay is None else lay
+    head = 0 if prefix is None else prefix.numel()
+    layers, c = len(bns), sum(lay.channels)
+    out = torch.empty(head + lay.numel, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        if prefix is not None:
+            out[:head].copy_(prefix)
+        n = out[head:head + layers]
+        n.fill_(1.0)
+        if lay.counted:
+            counts = [bns[i].count for i in lay.counted]
+            if len(lay.counted) == layers and lay.direct:
+                n.copy_(torch.stack(counts))  # type: ignore[arg-type]  # (a casting out= takes a slow path)
+            else:
+                n[lay.counted] = _float64(counts, device, stack=True)  # type: ignore[arg-type]
+            if base is not None and len(lay.counted) == layers:
+                n.sub_(base.to(device)).clamp_min_(0)
+            elif base is not None:
+                n[lay.counted] = (n[lay.counted] - base.to(device)).clamp_min(0)
+        mean, square = out[head + layers:head + layers + c], out[head + layers + c:]
+        if lay.direct:
+            mean.copy_(torch.cat([bn.mean for bn in bns]))
+            square.copy_(torch.cat([bn.var for bn in bns]))
         else:
-            n = stacked[k:k + 1]
-            k += 1
-        mean = bn.mean.detach().to(device, torch.float64)
-        var = bn.var.detach().to(device, torch.float64)
-        parts += [n, n * mean, n * (var + mean * mean)]
-    return torch.cat(parts)
+            mean.copy_(_float64([bn.mean for bn in bns], device))
+            square.copy_(_float64([bn.var for bn in bns], device))
+        per = n.index_select(0, lay.index)
+        square.add_(mean * mean).mul_(per)  # n * (var + mean^2)
+        mean.mul_(per)  # n * mean
+    return out
 
 
 def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None,
-           untracked: bool = False) -> int:
-    """Write the merged statistics (identical on every rank: the same all-reduced sums); returns the count.
-    ``base`` (as in :func:`_pack`) is added back to the counters. ``untracked``: through ``.data``, so a forward's
-    autograd graph that saved the statistics (BatchNorm does, for its backward) is not invalidated by the write."""
-    offsets, offset = [], 0
-    for bn in bns:
-        offsets.append(offset)
-        offset += 1 + 2 * bn.mean.numel()
-    totals = sums[offsets].cpu().tolist() if bns else []  # one device-to-host copy
-    bases = iter(base.tolist() if base is not None else [])
-    merged = 0
+           untracked: bool = False, lay: Layout | None = None) -> list[float]:
+    """Write the merged statistics (identical on every rank: the same all-reduced sums, laid out as :class:`Layout`
+    says); returns every layer's total count (0: no rank counted it, and it was left alone). ``base`` (as in
+    :func:`_pack`) is added back to the counters; ``untracked`` as in :func:`layout` (``lay`` made with it wins)."""
+    if not bns:
+        return []
+    lay = layout(bns, sums.device, untracked) if lay is None else lay
+    layers, c = len(bns), sum(lay.channels)
+    totals = sums[:layers].cpu().tolist()  # one device-to-host copy
+    mean_out, var_out = lay.out()
     with torch.no_grad():
-        for bn, start, total in zip(bns, offsets, totals):
-            before = next(bases, 0.0) if bn.count is not None else 0.0
-            if total <= 0:
-                continue
-            c = bn.mean.numel()
-            mean = sums[start + 1:start + 1 + c] / total
-            var = (sums[start + 1 + c:start + 1 + 2 * c] / total - mean * mean).clamp_min(0)
-            target_mean, target_var = (bn.mean.data, bn.var.data) if untracked else (bn.mean, bn.var)
-            target_mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
-            target_var.copy_(var.to(bn.var.device, bn.var.dtype))
-            if bn.count is not None:  # saturating: merging again and again (every step) must not overflow mid-write
-                (bn.count.data if untracked else bn.count).fill_(min(round(before + total),
-                                                                     torch.iinfo(bn.count.dtype).max))
-            merged += 1
-    return merged
-
+        per = sums[:layers].index_select(0, lay.index)
+        torch.div(sums[layers:layers + c], per, out=mean_out)
+        torch.div(sums[layers + c:layers + 2 * c], per, out=var_out)
+        var_out.sub_(mean_out * mean_out).clamp_min_(0)
+        if all(total > 0 for total in totals):
+            torch_compat.copy_all(lay.means + lay.vars, lay.mean_views + lay.var_views, False)
+        else:
+            keep = [i for i, total in enumerate(totals) if total > 0]
+            if keep:
+                torch_compat.copy_all([lay.means[i] for i in keep] + [lay.vars[i] for i in keep],
+                                      [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep], False)
+        bases = base.tolist() if base is not None else [0.0] * len(lay.counted)
+        written, values = [], []
+        for k, (i, before, most) in enumerate(zip(lay.counted, bases, lay.maxima)):
+            if totals[i] > 0:  # saturating: merging again and again (every step) must not overflow mid-write
+                written.append(lay.counts[k])
+                values.append(min(round(before + totals[i]), most))
+        if written:
+            torch_compat.copy_all(written, list(torch.tensor(values, dtype=torch.int64).unbind()), False)
+    return totals

@@ -7,15 +7,19 @@ before every ``every``-th train-mode forward of a module (as DDP does; eval-mode
 one rank alone cannot hang). ``handle.sync()`` syncs now.
 
 Steady state, the hot path: the structure is agreed once, at the first sync (one small all_gather naming any
-difference). Every later sync re-checks locally that the buffers are the tensors it planned for (one dict lookup
-each; replaced tensors of the same structure are taken up) and then pays one collective per reduction kind and
-bucket (dtype within a kind: int64 stays int64), into flat buckets and views kept between calls, writing only once
-every collective completed. The cross-rank check rides along: ``[failed flag per member, d, d^2]`` (``d``: 20 bits
-of the structure digest: the ranks' ``d`` are all equal exactly when ``(sum d)^2 == n * sum d^2``; two different
-structures share their 20 bits about once in a million) in front of the BatchNorm all-reduce, or alone when there
-is none; for a plan that only broadcasts, the source's ``[failed, full digest]`` in the last 16 bytes of its first
-bucket (then a receiver whose own structure changed raises alone, after the collectives, having written nothing,
-while the others take the source's values).
+difference). Every later sync re-checks locally that the buffers are the tensors it planned for, over the same
+memory (three C-level passes over kept lists: identity, address, dict sizes; tensors replaced by ones of the same
+structure, or given new memory by ``buf.data = ...``, are taken up), then pays one collective per reduction kind and
+bucket (dtype within a kind: int64 stays int64), packing each bucket with one ``torch.cat(out=)`` into flat tensors
+kept between calls and unpacking with one fused copy, writing only once every collective completed. The buffers
+stay ordinary tensors with their own memory (views into the buckets would save both copies, but Accelerate's
+``save_model`` keeps one tensor per shared storage and drops the rest from the checkpoint). The cross-rank check
+rides along: ``[failed flag per member, d, d^2]`` (``d``: 20 bits of the structure digest: the ranks' ``d`` are all
+equal exactly when ``(sum d)^2 == n * sum d^2``; two different structures share their 20 bits about once in a
+million) in front of the BatchNorm all-reduce, or alone when any rule reduces and none is ``"bn"``; for a plan that
+only broadcasts, the source's ``[failed, full digest]`` rides in the last 16 bytes of its last bucket (it packs and
+sends bucket by bucket; then a receiver whose own structure changed raises alone, after the collectives, having
+written nothing, while the others take the source's values).
 
 Repeated syncs do not compound: ``"bn"`` weights and counts each rank's batches since the last sync
 (``num_batches_tracked`` stays the count of all ranks' batches), ``"sum"`` adds what each rank added since the last
@@ -24,8 +28,9 @@ sync (the first sync: the source's value plus what every other rank added since 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -48,6 +53,10 @@ what every rank added since."""
 _DIGEST_BITS = 20  # n * d^2 stays exact in float64 for any n below 2**12
 
 
+_CAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                         torch.int16, torch.int8, torch.uint8, torch.bool})  # torch.cat(out=) packs these in one op
+
+
 @dataclass
 class _Kind:
     """One reduction kind's tensors, their buckets and the flat tensors kept between syncs."""
@@ -57,11 +66,35 @@ class _Kind:
     buckets: list[_wire.Bucket]
     flats: list[torch.Tensor]
     targets: list[list[torch.Tensor]]  # per bucket: its tensors
-    views: list[list[torch.Tensor]]  # per bucket: views of its flat shaped like them (made once)
     names: list[list[str]]  # per bucket: its tensors' qualified names
-    writes: list[list[torch.Tensor]]  # per bucket: ``t.data`` of its tensors (writes autograd does not track)
+    views: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: views of its flat shaped like them
+    writes: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: ``t.data`` of its tensors
+    sources: list[list[torch.Tensor] | None] = field(default_factory=list)  # per bucket: ``t.data.view(-1)`` of its
+    # tensors when one torch.cat(out=) can pack them (contiguous, a dtype it takes), else None
     sub: list[torch.Tensor] | None = None  # "sum": what each rank subtracts before the all-reduce, per bucket
     add: list[torch.Tensor] | None = None  # "sum": what is added back to the all-reduced deltas
+
+    def __post_init__(self) -> None:
+        self.views = [_views(f, t) for f, t in zip(self.flats, self.targets)]
+        self.writes = [[t.data for t in part] for part in self.targets]
+        self.sources = [[w.view(-1) for w in part]
+                        if b.dtype in _CAT_DTYPES and all(w.is_contiguous() for w in part) else None
+                        for b, part in zip(self.buckets, self.writes)]
+
+    def pack(self, i: int) -> None:
+        """Copy bucket ``i``'s tensors into its flat (one op where torch.cat can; "sum": less the base)."""
+        flat, sources = self.flats[i], self.sources[i]
+        if sources is not None:
+            torch.cat(sources, out=flat.view(torch.bool) if self.buckets[i].dtype == torch.bool else flat)
+        else:
+            torch_compat.copy_all(self.views[i], self.targets[i], self.buckets[i].dtype.is_complex)
+        if self.sub is not None:
+            flat.sub_(self.sub[i])  # "sum": what this rank added since the last sync
+
+    def rebind(self, i: int, flat: torch.Tensor) -> None:
+        """Bucket ``i`` now lives in ``flat`` (a view into a larger tensor)."""
+        self.flats[i] = flat
+        self.views[i] = _views(flat, self.targets[i])
 
 
 def _flat_like(b: _wire.Bucket) -> torch.Tensor:
@@ -91,9 +124,13 @@ class _Steady:
         self.plan, self.g = plan, g
         entries = plan.synced()
         mine = {id(t) for _, t in entries}
-        self.owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
-                       if t is not None and id(t) in mine]  # where each synced tensor is registered
-        self.sizes = [(len(m._buffers), len(m._modules)) for m in plan.modules]  # buffers or modules added?
+        owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
+                  if t is not None and id(t) in mine]  # where each synced tensor is registered
+        self.tables, self.keys = [o[0] for o in owners], [o[1] for o in owners]
+        self.tensors = [o[2] for o in owners]
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.dicts = [m._buffers for m in plan.modules] + [m._modules for m in plan.modules]
+        self.sizes = list(map(len, self.dicts))  # a buffer or a submodule added?
         self.call = (_FN, src, plan.signature)
         self.digest = _structure.digest(self.call, entries)
         name_of = {id(a.tensor): a.name for a in plan.assigned}
@@ -103,14 +140,12 @@ class _Steady:
             ts = [a.tensor for a in plan.of(rule)]
             buckets = _wire.plan(ts)
             if buckets:
-                flats = [_flat_like(b) for b in buckets]
                 targets = [[ts[j] for j in b.indices] for b in buckets]
-                kind = _Kind(rule, ts, buckets, flats, targets, [_views(f, t) for f, t in zip(flats, targets)],
-                             [[name_of[id(t)] for t in part] for part in targets],
-                             [[t.data for t in part] for part in targets])
+                kind = _Kind(rule, ts, buckets, [_flat_like(b) for b in buckets], targets,
+                             [[name_of[id(t)] for t in part] for part in targets])
                 if rule == "sum":
-                    kind.sub = [torch.zeros_like(f) for f in flats]
-                    kind.add = [torch.zeros_like(f) for f in flats]
+                    kind.sub = [torch.zeros_like(f) for f in kind.flats]
+                    kind.add = [torch.zeros_like(f) for f in kind.flats]
                     for sub, add, part, names in zip(kind.sub, kind.add, targets, kind.names):
                         base = [bases.get(n, t) for n, t in zip(names, part)]
                         if not counts_from_src:
@@ -118,20 +153,25 @@ class _Steady:
                         if not first:
                             torch_compat.copy_all(_views(add, part), base)
                 self.kinds.append(kind)
-        self.head: torch.Tensor | None = None  # the first broadcast bucket's bytes plus 16: the source's check
+        self.broadcast = next((k for k in self.kinds if k.rule == "broadcast"), None)
+        # the check: [failed flag per member, d, d^2] all-reduced in front of the BatchNorm sums (or alone), unless
+        # the plan only broadcasts: then the source's [failed, digest] rides in the last 16 bytes of its last bucket
+        self.reduced_check = bool(plan.bns) or self.broadcast is None or len(self.kinds) > 1
+        self.head: torch.Tensor | None = None  # the last broadcast bucket's bytes plus 16
         self.tail = torch.zeros(2, dtype=torch.int64)
-        first_bcast = next((k for k in self.kinds if k.rule == "broadcast"), None)
-        if first_bcast is not None and len(self.kinds) == 1 and not plan.bns:  # broadcast only: receivers pack nothing
-            b0 = first_bcast.buckets[0]
-            size = first_bcast.flats[0].numel() * first_bcast.flats[0].element_size()
+        if not self.reduced_check and self.broadcast is not None:  # broadcast only: receivers pack nothing
+            last = self.broadcast
+            j = len(last.flats) - 1
+            size = last.flats[j].numel() * last.flats[j].element_size()
             padded = -(-size // 8) * 8
-            self.head = torch.zeros(padded + 16, dtype=torch.uint8, device=b0.device)
-            first_bcast.flats[0] = self.head[:size].view(first_bcast.flats[0].dtype)
-            first_bcast.views[0] = _views(first_bcast.flats[0], first_bcast.targets[0])
+            self.head = torch.zeros(padded + 16, dtype=torch.uint8, device=last.buckets[j].device)
+            last.rebind(j, self.head[:size].view(last.flats[j].dtype))
             self.tail = self.head[padded:].view(torch.int64)
         self.counted = [bn for bn in plan.bns if bn.count is not None]
+        self.counts: list[torch.Tensor] = [bn.count for bn in self.counted if bn.count is not None]
         self.count_names = [f"{bn.name}.num_batches_tracked" if bn.name else "num_batches_tracked"
                             for bn in self.counted]
+        self.layout = bn_average.layout(plan.bns, g.device, untracked=True)  # kept: the plan's tensors are checked
         base_counts = [float(bases.get(n, bn.count)) for n, bn in zip(self.count_names, self.counted)]  # type: ignore
         self.bn_sub = torch.tensor([0.0] * len(base_counts) if counts_from_src else base_counts, dtype=torch.float64)
         self.bn_add = torch.tensor([0.0] * len(base_counts) if first else base_counts, dtype=torch.float64)
@@ -147,10 +187,11 @@ class _Steady:
         return out
 
     def current(self) -> bool:
-        """Whether the model still has the very tensors the plan was made from, where they were, and no buffer or
-        submodule more (a cheap local check: one dict lookup per buffer, two lengths per module)."""
-        return all(table.get(k) is t for table, k, t in self.owners) and \
-            self.sizes == [(len(m._buffers), len(m._modules)) for m in self.plan.modules]
+        """Whether the model still has the very tensors the plan was made from, where they were, over the same
+        memory (``buf.data = ...`` swaps it under the same tensor), and no buffer or submodule more: a cheap local
+        check, three C-level passes over lists."""
+        return all(map(operator.is_, map(dict.get, self.tables, self.keys), self.tensors)) and \
+            list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs and list(map(len, self.dicts)) == self.sizes
 
 
 class KeepInSync:
@@ -264,69 +305,58 @@ class _Changed(BufferStructureError):
 
 
 def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
-    """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or in the
-    source's first broadcast bucket, or alone), the kinds' collectives, writes. ``announce``: the structure digest
-    this rank has now (not the agreed one: it raises after the collectives, and so does every rank that can tell)."""
+    """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or alone, or
+    in the source's last broadcast bucket), the kinds' collectives, writes. ``announce``: the structure digest this
+    rank has now (not the agreed one: it raises after the collectives, and so does every rank that can tell)."""
+    if not s.reduced_check:
+        return _sync_broadcast(s, src, deadline, announce)
     g = s.g
+    source = g.me == src
+    width = g.size + 2
+    header = torch.zeros(width, dtype=torch.float64, device=g.device)
+    d = float(announce % (1 << _DIGEST_BITS))
+    header[g.size], header[g.size + 1] = d, d * d
     failure: BaseException | None = None
-    pack = torch.zeros(0, dtype=torch.float64, device=g.device)
     try:
-        if s.plan.bns:
-            pack = bn_average._pack(s.plan.bns, g.device, s.bn_sub)
+        combined = bn_average._pack(s.plan.bns, g.device, s.bn_sub, prefix=header, lay=s.layout)
         for kind in s.kinds:
-            if kind.rule == "broadcast" and g.me != src:
-                continue  # receivers take the buckets as they come
-            for i, flat in enumerate(kind.flats):
-                torch_compat.copy_all(kind.views[i], kind.targets[i], kind.buckets[i].dtype.is_complex)
-                if kind.sub is not None:
-                    flat.sub_(kind.sub[i])  # "sum": what this rank added since the last sync
+            if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
+                for i in range(len(kind.flats)):
+                    kind.pack(i)
     except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
         failure = e
-    broadcast = next((k for k in s.kinds if k.rule == "broadcast"), None)
-    if s.plan.bns or broadcast is None:  # the all-reduce check: [failed per member, d, d^2]
-        header = torch.zeros(g.size + 2, dtype=torch.float64, device=g.device)
-        header[g.me] = float(failure is not None)
-        d = float(announce % (1 << _DIGEST_BITS))
-        header[g.size], header[g.size + 1] = d, d * d
-        if failure is not None:
-            pack = torch.zeros_like(pack)
-        combined = _wire.all_reduce(g, torch.cat([header, pack]), deadline, _FN)
-        header, pack = combined[:g.size + 2].cpu(), combined[g.size + 2:]
-        flags = header[:g.size].tolist()
-        if any(flags):
-            _transaction.abort_if_any(g, [int(f) for f in flags], failure, deadline, f"{_FN}()",
-                                      "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
-        total, squares = float(header[g.size]), float(header[g.size + 1])
-        if total * total != g.size * squares:
-            raise _Changed(everyone=True)
-    else:  # the source's check travels in its first broadcast bucket: [failed, digest]
-        tail = s.tail
-        tail[0], tail[1] = (int(failure is not None), announce) if g.me == src else (0, 0)
+        combined = torch.zeros(width + s.layout.numel, dtype=torch.float64, device=g.device)
+        combined[:width] = header
+        combined[g.me] = 1.0
+    works = [dist.all_reduce(combined, group=g.pg, async_op=True)]
+    _wire.wait(works, deadline, _FN)
+    check = combined[:width].cpu()
+    flags = check[:g.size].tolist()
+    if any(flags):
+        _transaction.abort_if_any(g, [int(f) for f in flags], failure, deadline, f"{_FN}()",
+                                  "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
+    total, squares = float(check[g.size]), float(check[g.size + 1])
+    if total * total != g.size * squares:  # every rank sees it: none runs the kinds' collectives
+        raise _Changed(everyone=True)
+    works = []
     for kind in s.kinds:
-        for i, flat in enumerate(kind.flats):
+        for flat in kind.flats:
             if kind.rule == "broadcast":
-                wire = s.head if kind is broadcast and i == 0 and s.head is not None else _wire.wire_view(flat)
-                _wire.wait([dist.broadcast(wire, src=g.global_rank(src), group=g.pg, async_op=True)], deadline, _FN)
+                works.append(dist.broadcast(_wire.wire_view(flat), src=g.global_rank(src), group=g.pg,
+                                            async_op=True))
             else:
-                _wire.all_reduce(g, flat, deadline, _FN, op=rules_mod.REDUCE_OPS[kind.rule])
-    if not s.plan.bns and broadcast is not None:
-        failed, theirs = (int(v) for v in s.tail.tolist())
-        if failed:
-            raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {g.global_rank(src)}; "
-                                   "no buffer was modified", (g.global_rank(src),), {})
-        if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
-            raise _Changed(everyone=True)
-        if announce != s.digest:  # only this receiver changed
-            raise _Changed(everyone=False)
-    if announce != s.digest:
+                works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
+                                             async_op=True))
+    _wire.wait(works, deadline, _FN)
+    if announce != s.digest:  # changed here though the 20 bits agree: the agreed collectives ran, nothing is written
         raise _Changed(everyone=True)
     with torch.no_grad():  # every collective completed: write (no collective below)
         if s.plan.bns:
-            bn_average._write(s.plan.bns, pack, s.bn_add, untracked=True)
-            s.bn_sub = s.bn_add = torch.tensor([float(bn.count) for bn in s.counted],  # type: ignore[arg-type]
-                                               dtype=torch.float64)
+            bn_average._write(s.plan.bns, combined[width:], s.bn_add, lay=s.layout)
+            if s.counts:
+                s.bn_sub = s.bn_add = bn_average._float64(s.counts, torch.device("cpu"), stack=True)
         for kind in s.kinds:
-            if kind.rule == "broadcast" and g.me == src:
+            if kind.rule == "broadcast" and source:
                 continue
             for i, flat in enumerate(kind.flats):
                 if kind.sub is not None and kind.add is not None:
@@ -336,6 +366,59 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                 if kind.rule == "mean":
                     flat.div_(g.size)  # scratch: packed again at the next sync
                 torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
+    _after(s)
+    return None
+
+
+def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
+    """The steady state of a plan that only broadcasts: the source packs each bucket and sends it at once (packing
+    the next while it travels), its [failed, digest] in the last bucket's tail; receivers pack nothing, wait for
+    every bucket, check the tail, then unpack."""
+    g, kind, head = s.g, s.broadcast, s.head
+    assert kind is not None and head is not None
+    root = g.global_rank(src)
+    last = len(kind.flats) - 1
+    works = []
+    if g.me == src:
+        failure: BaseException | None = None
+        for i, flat in enumerate(kind.flats):
+            if failure is None:
+                try:
+                    kind.pack(i)
+                except BaseException as e:  # noqa: BLE001 - sent in the tail: every rank raises
+                    failure = e
+            if i == last:
+                s.tail[0], s.tail[1] = int(failure is not None), announce
+            works.append(dist.broadcast(head if i == last else _wire.wire_view(flat), src=root, group=g.pg,
+                                        async_op=True))
+        _wire.wait(works, deadline, _FN)
+        if failure is not None:
+            raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
+                                   "modified", (root,), {}) from failure
+        if announce != s.digest:  # the source changed: every receiver raises too
+            raise _Changed(everyone=True)
+        _after(s)
+        return
+    for i, flat in enumerate(kind.flats):
+        works.append(dist.broadcast(head if i == last else _wire.wire_view(flat), src=root, group=g.pg,
+                                    async_op=True))
+    _wire.wait(works, deadline, _FN)
+    failed, theirs = s.tail.tolist()
+    if failed:
+        raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
+                               "modified", (root,), {})
+    if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
+        raise _Changed(everyone=True)
+    if announce != s.digest:  # only this receiver changed
+        raise _Changed(everyone=False)
+    with torch.no_grad():
+        for i in range(len(kind.flats)):
+            torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
+    _after(s)
+
+
+def _after(s: _Steady) -> None:
+    """The registered after_sync hooks, once every buffer is written."""
     for module, hook in s.plan.after:
         hook(module)
 
