@@ -121,3 +121,23 @@ def test_average_on_a_process_group_subset_merges_members_only(ranks4):
     for r in (1, 3):  # not members: a no-op that keeps this rank's statistics and issues no collective
         local, result, merged, log = out[r]
         assert merged == 0 and log == [] and _kept_own_stats(local, result)
+
+
+def _counter_shapes(rank, world):
+    a, b = nn.BatchNorm1d(2), nn.BatchNorm1d(2)
+    with torch.no_grad():
+        for bn in (a, b):
+            bn.running_mean.fill_(float(rank))
+    a.num_batches_tracked.fill_(rank + 1)
+    b.num_batches_tracked = torch.tensor([rank + 1])  # a (1,)-shaped counter, as some code leaves it
+    model = nn.ModuleDict({"a": a, "b": b})
+    zb.average_bn_stats(model)
+    return [(bn.running_mean.clone(), bn.num_batches_tracked.clone()) for bn in (a, b)]
+
+
+def test_counters_of_shape_one_merge_like_scalar_ones(ranks2):
+    for out in ranks2.run(_counter_shapes):
+        for mean, count in out:
+            torch.testing.assert_close(mean, torch.full((2,), 2 / 3))  # ranks weighted 1 and 2: (0*1 + 1*2) / 3
+            assert int(count.sum()) == 3
+        assert out[1][1].shape == (1,)

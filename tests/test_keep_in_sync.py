@@ -204,6 +204,15 @@ class Small(nn.Module):
         return self.bn(self.lin(x)) + self.ema
 
 
+def _broadcast_only(rank):
+    """A module whose one buffer is broadcast (rank-specific values), kept in sync and synced once."""
+    plain = nn.Module()
+    plain.register_buffer("table", torch.full((4,), float(rank)))
+    only = zb.keep_in_sync(plain)
+    only.sync()
+    return plain, only
+
+
 def _changes(rank, world):
     out = {}
     torch.manual_seed(0)
@@ -224,10 +233,7 @@ def _changes(rank, world):
     handle.sync()
     out["extra"] = model.extra.clone()
     handle.remove()
-    plain = nn.Module()  # broadcast only: the check travels with the source; a receiver's own change is its own
-    plain.register_buffer("table", torch.full((4,), float(rank)))
-    only = zb.keep_in_sync(plain)
-    only.sync()
+    plain, only = _broadcast_only(rank)  # the check travels with the source; a receiver's own change is its own
     if rank == world - 1:
         plain._buffers["table"] = torch.zeros(5)
     out["receiver_change"] = messages({"sync": only.sync}, zb.BufferStructureError)["sync"]
@@ -265,10 +271,7 @@ def _mixed_and_swapped(rank, world):
     handle.sync()
     out["second"] = {n: b.clone() for n, b in model.named_buffers()}
     handle.remove()
-    plain = nn.Module()  # broadcast only: a swap of the source's memory reaches every receiver
-    plain.register_buffer("table", torch.full((4,), float(rank)))
-    only = zb.keep_in_sync(plain)
-    only.sync()
+    plain, only = _broadcast_only(rank)  # a swap of the source's memory reaches every receiver
     if rank == 0:
         plain.table.data = torch.full((4,), 7.0)
     else:
@@ -350,3 +353,35 @@ def test_a_rank_failing_to_pack_makes_every_rank_raise_and_write_nothing(ranks):
         assert all(bitwise_equal(b, out[0]["after"][n]) for n, b in o["after"].items())
         assert torch.equal(o["plain_after"]["table"], torch.full((4,), 1.0))
         assert int(o["plain_after"]["count"]) == 1
+
+
+def _rules_break_on_one_rank(rank, world):
+    out = {}
+    model = nn.Module()
+    model.register_buffer("ema", torch.full((3,), float(rank)))
+    model.register_buffer("table", torch.full((2,), float(rank)))
+    handle = zb.keep_in_sync(model, rules={"ema": "mean"}, timeout=60)  # a hang would end in CollectiveError
+    handle.sync()
+    if rank == world - 1:  # its "mean" buffer is now an integer: its rules no longer apply, here alone
+        model._buffers["ema"] = torch.zeros(3, dtype=torch.int64)
+    before = _digests(model)
+    out["steady"] = messages({"sync": handle.sync}, zb.BufferStructureError)["sync"]
+    out["agreement"] = messages({"sync": handle.sync}, zb.BufferStructureError)["sync"]
+    out["unchanged"] = all(bitwise_equal(b, before[n]) for n, b in _digests(model).items())
+    if rank == world - 1:
+        model._buffers["ema"] = torch.full((3,), 10.0)  # fixed: the next sync agrees again and syncs
+    handle.sync()
+    out["ema"] = model.ema.clone()
+    handle.remove()
+    return out
+
+
+def test_rules_that_stop_applying_on_one_rank_raise_on_every_rank_without_waiting(ranks):
+    out = ranks.run(_rules_break_on_one_rank, timeout=120)
+    world = len(out)
+    for o in out:
+        assert f"changed since the last sync on rank {world - 1};" in o["steady"], o["steady"]
+        assert "its rules no longer apply here" in o["agreement"] and "'ema' (int64) has rule 'mean'" in o["agreement"]
+        assert o["unchanged"]
+        first = (world - 1) / 2  # every rank's ema after the first sync; then the last rank's is 10
+        torch.testing.assert_close(o["ema"], torch.full((3,), ((world - 1) * first + 10.0) / world))

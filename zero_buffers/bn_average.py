@@ -1,8 +1,8 @@
 """average_bn_stats: merge rank-local BatchNorm running statistics into those of all ranks' data."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
         _wire.all_reduce(g, sums, deadline, fn)
 
     def apply(sums: torch.Tensor) -> None:
-        merged.append(sum(total > 0 for total in _write(bns, sums)))
+        merged.append(sum(total > 0 for total in _write(bns, sums).totals))
 
     contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply,
                                    extra=stats_digest(g, entries, fn))
@@ -88,19 +88,19 @@ def warn_identical(fn: str) -> None:
                  "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4)
 
 
-def _float64(ts: list[torch.Tensor], device: torch.device, stack: bool = False) -> torch.Tensor:
-    """The tensors concatenated (or stacked) as float64 on ``device``."""
-    join = torch.stack if stack else torch.cat
+def _float64(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The 1-D tensors concatenated as float64 on ``device`` (one conversion when they share a device and dtype)."""
     if len({(t.device, t.dtype) for t in ts}) == 1:
-        return join(ts).to(device, torch.float64)
-    return join([t.to(device, torch.float64) for t in ts])
+        return torch.cat(ts).to(device, torch.float64)
+    return torch.cat([t.to(device, torch.float64) for t in ts])
 
 
 @dataclass
 class Layout:
     """Where every layer's statistics sit in the merged sums ``[n per layer (L), n * mean (C), n * (var + mean^2)
-    (C)]`` (``C``: every layer's channels, in layer order; ``n`` is 1 for a layer without a counter), and the tensors
-    read and written: made once per structure (keep_in_sync keeps it between syncs)."""
+    (C)]`` (``C``: every layer's channels, in layer order; ``n`` is 1 for a layer without a counter), the tensors read
+    and written, and the float64 space the merged statistics are computed in: made once per structure (keep_in_sync
+    keeps it between syncs)."""
 
     bns: list[_modules.BatchNorm]
     device: torch.device
@@ -108,27 +108,19 @@ class Layout:
     index: torch.Tensor  # per channel, its layer (to spread per-layer counts over channels)
     counted: list[int]  # the layers with a counter
     maxima: list[int]  # per counted layer, the largest value its counter's dtype holds
-    direct: bool  # every statistic on ``device`` in one dtype: packed with torch.cat(out=), no per-layer copy
+    direct: bool  # statistics and counters on ``device``, the statistics in one dtype: one cat each, no .to per layer
     means: list[torch.Tensor]  # the tensors written: ``.data`` of each when untracked
     vars: list[torch.Tensor]
-    counts: list[torch.Tensor]
-    mean_views: list[torch.Tensor] = field(default_factory=list)  # per layer, a view of the merged mean (float64)
-    var_views: list[torch.Tensor] = field(default_factory=list)
-    merged: tuple[torch.Tensor, torch.Tensor] | None = None  # the float64 merged mean and var the views are into
+    counts: list[torch.Tensor]  # per counted layer, its counter
+    count_views: list[torch.Tensor]  # per counted layer, its counter as a 1-element view (0-d or (1,) alike)
+    merged_mean: torch.Tensor  # float64 (C): the merged statistics before they are written
+    merged_var: torch.Tensor
+    mean_views: list[torch.Tensor]  # per layer, its slice of merged_mean / merged_var
+    var_views: list[torch.Tensor]
 
     @property
     def numel(self) -> int:
         return len(self.bns) + 2 * sum(self.channels)
-
-    def out(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float64 merged mean and var (kept, with their per-layer views)."""
-        if self.merged is None:
-            c = sum(self.channels)
-            self.merged = (torch.empty(c, dtype=torch.float64, device=self.device),
-                           torch.empty(c, dtype=torch.float64, device=self.device))
-            self.mean_views, self.var_views = list(self.merged[0].split(self.channels)), \
-                list(self.merged[1].split(self.channels))
-        return self.merged
 
 
 def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool = False) -> Layout:
@@ -143,41 +135,41 @@ def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool 
     direct = not stats or (len({(t.device, t.dtype) for t in stats}) == 1 and stats[0].device == device
                            and all(t.device == device for t in counts))
     most = {dtype: torch.iinfo(dtype).max for dtype in {t.dtype for t in counts}}
+    merged_mean = torch.empty(sum(channels), dtype=torch.float64, device=device)
+    merged_var = torch.empty(sum(channels), dtype=torch.float64, device=device)
 
     def target(t: torch.Tensor) -> torch.Tensor:
         return t.data if untracked else t
     return Layout(bns, device, channels, index, counted, [most[t.dtype] for t in counts], direct,
-                  [target(bn.mean) for bn in bns], [target(bn.var) for bn in bns], [target(t) for t in counts])
+                  [target(bn.mean) for bn in bns], [target(bn.var) for bn in bns], [target(t) for t in counts],
+                  [t.data.reshape(1) for t in counts], merged_mean, merged_var,
+                  list(merged_mean.split(channels)), list(merged_var.split(channels)))
 
 
 def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tensor | None = None,
-          prefix: torch.Tensor | None = None, lay: Layout | None = None) -> torch.Tensor:
-    """The sums laid out as :class:`Layout` says, in float64 on ``device``, after ``prefix`` when given; a few
-    whole-model ops whatever the number of layers. ``base``: every layer's counter at the last sync (float64, one
-    per layer with a counter): ``n`` is then the batches since (keep_in_sync: repeated merges must not count a batch
-    twice). ``lay``: the layout kept from an earlier call."""
+          lay: Layout | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sums laid out as :class:`Layout` says, in float64 on ``device``: a few whole-model ops whatever the
+    number of layers. ``base``: every layer's counter at the last sync (float64, one per layer with a counter):
+    ``n`` is then the batches since (keep_in_sync: repeated merges must not count a batch twice). ``lay``: the
+    layout kept from an earlier call; ``out``: float64 space of ``lay.numel`` to pack into (else a new tensor)."""
     if not bns:
-        return torch.zeros(0, dtype=torch.float64, device=device) if prefix is None else prefix
+        return torch.zeros(0, dtype=torch.float64, device=device) if out is None else out
     lay = layout(bns, device) if lay is None else lay
-    head = 0 if prefix is None else prefix.numel()
     layers, c = len(bns), sum(lay.channels)
-    out = torch.empty(head + lay.numel, dtype=torch.float64, device=device)
+    out = torch.empty(lay.numel, dtype=torch.float64, device=device) if out is None else out
     with torch.no_grad():
-        if prefix is not None:
-            out[:head].copy_(prefix)
-        n = out[head:head + layers]
+        n = out[:layers]
         n.fill_(1.0)
         if lay.counted:
-            counts = [bns[i].count for i in lay.counted]
             if len(lay.counted) == layers and lay.direct:
-                n.copy_(torch.stack(counts))  # type: ignore[arg-type]  # (a casting out= takes a slow path)
+                n.copy_(torch.cat(lay.count_views))  # (a casting out= takes a slow path)
             else:
-                n[lay.counted] = _float64(counts, device, stack=True)  # type: ignore[arg-type]
+                n[lay.counted] = _float64(lay.count_views, device)
             if base is not None and len(lay.counted) == layers:
                 n.sub_(base.to(device)).clamp_min_(0)
             elif base is not None:
                 n[lay.counted] = (n[lay.counted] - base.to(device)).clamp_min(0)
-        mean, square = out[head + layers:head + layers + c], out[head + layers + c:]
+        mean, square = out[layers:layers + c], out[layers + c:]
         if lay.direct:
             mean.copy_(torch.cat([bn.mean for bn in bns]))
             square.copy_(torch.cat([bn.var for bn in bns]))
@@ -190,35 +182,49 @@ def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tenso
     return out
 
 
+class Written(NamedTuple):
+    """What :func:`_write` did: every layer's total count (0: no rank counted it, and it was left alone) and every
+    counted layer's counter afterwards (float64, on the host)."""
+
+    totals: list[float]
+    counts: torch.Tensor
+
+
 def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None,
-           untracked: bool = False, lay: Layout | None = None) -> list[float]:
+           untracked: bool = False, lay: Layout | None = None) -> Written:
     """Write the merged statistics (identical on every rank: the same all-reduced sums, laid out as :class:`Layout`
-    says); returns every layer's total count (0: no rank counted it, and it was left alone). ``base`` (as in
-    :func:`_pack`) is added back to the counters; ``untracked`` as in :func:`layout` (``lay`` made with it wins)."""
+    says). Everything is computed first and the copies come last, so nothing is written unless every write can be.
+    ``base`` (as in :func:`_pack`) is added back to the counters; ``untracked`` as in :func:`layout` (``lay`` made
+    with it wins)."""
     if not bns:
-        return []
+        return Written([], torch.zeros(0, dtype=torch.float64))
     lay = layout(bns, sums.device, untracked) if lay is None else lay
     layers, c = len(bns), sum(lay.channels)
     totals = sums[:layers].cpu().tolist()  # one device-to-host copy
-    mean_out, var_out = lay.out()
     with torch.no_grad():
         per = sums[:layers].index_select(0, lay.index)
-        torch.div(sums[layers:layers + c], per, out=mean_out)
-        torch.div(sums[layers + c:layers + 2 * c], per, out=var_out)
-        var_out.sub_(mean_out * mean_out).clamp_min_(0)
-        if all(total > 0 for total in totals):
-            torch_compat.copy_all(lay.means + lay.vars, lay.mean_views + lay.var_views, False)
+        torch.div(sums[layers:layers + c], per, out=lay.merged_mean)
+        torch.div(sums[layers + c:layers + 2 * c], per, out=lay.merged_var)
+        lay.merged_var.sub_(lay.merged_mean * lay.merged_mean).clamp_min_(0)
+        keep = [i for i, total in enumerate(totals) if total > 0]
+        if len(keep) == layers:
+            dst, src = lay.means + lay.vars, lay.mean_views + lay.var_views
         else:
-            keep = [i for i, total in enumerate(totals) if total > 0]
-            if keep:
-                torch_compat.copy_all([lay.means[i] for i in keep] + [lay.vars[i] for i in keep],
-                                      [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep], False)
+            dst = [lay.means[i] for i in keep] + [lay.vars[i] for i in keep]
+            src = [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep]
         bases = base.tolist() if base is not None else [0.0] * len(lay.counted)
+        after = [float(v) for v in torch.cat(lay.count_views).tolist()] if len(keep) < layers and lay.counted \
+            else [0.0] * len(lay.counted)  # the counters left alone keep their value
         written, values = [], []
         for k, (i, before, most) in enumerate(zip(lay.counted, bases, lay.maxima)):
             if totals[i] > 0:  # saturating: merging again and again (every step) must not overflow mid-write
                 written.append(lay.counts[k])
                 values.append(min(round(before + totals[i]), most))
+                after[k] = float(values[-1])
+        counts = list(torch.tensor(values, dtype=torch.int64).unbind()) if written else []
+        state = torch.tensor(after, dtype=torch.float64)
+        if keep:  # every value is ready: the writes
+            torch_compat.copy_all(dst, src, False)
         if written:
-            torch_compat.copy_all(written, list(torch.tensor(values, dtype=torch.int64).unbind()), False)
-    return totals
+            torch_compat.copy_all(written, counts, False)
+    return Written(totals, state)

@@ -10,13 +10,14 @@ Steady state, the hot path: the structure is agreed once, at the first sync (one
 difference). Every later sync re-checks locally that the buffers are the tensors it planned for, over the same
 memory (three C-level passes over kept lists: identity, address, dict sizes; tensors replaced by ones of the same
 structure, or given new memory by ``buf.data = ...``, are taken up), then pays one collective per reduction kind and
-bucket (dtype within a kind: int64 stays int64), packing each bucket with one ``torch.cat(out=)`` into flat tensors
-kept between calls and unpacking with one fused copy, writing only once every collective completed. The buffers
+bucket (dtype within a kind: int64 stays int64), packing each bucket into flat tensors kept between calls (one
+``torch.cat(out=)`` for a contiguous bucket of a dtype it takes, else one fused copy) and unpacking with one fused
+copy, writing only once every collective completed. The buffers
 stay ordinary tensors with their own memory (views into the buckets would save both copies, but Accelerate's
 ``save_model`` keeps one tensor per shared storage and drops the rest from the checkpoint). The cross-rank check
-rides along: ``[failed flag per member, d, d^2]`` (``d``: 20 bits of the structure digest: the ranks' ``d`` are all
-equal exactly when ``(sum d)^2 == n * sum d^2``; two different structures share their 20 bits about once in a
-million) in front of the BatchNorm all-reduce, or alone when any rule reduces and none is ``"bn"``; for a plan that
+rides along: ``[failed flag per member, changed flag per member]`` (changed: this rank's structure digest now is
+not the agreed one, an exact local comparison) in front of the BatchNorm all-reduce, or alone when any rule reduces
+and none is ``"bn"``; for a plan that
 only broadcasts, the source's ``[failed, full digest]`` rides in the last 16 bytes of its last bucket (it packs and
 sends bucket by bucket; then a receiver whose own structure changed raises alone, after the collectives, having
 written nothing, while the others take the source's values).
@@ -50,7 +51,6 @@ Start = Literal["installed", "zero", "synced"]
 source's whole value plus what every other rank added since the handle was made; ``"zero"`` (a trainer callback
 that began late): every rank's whole value; ``"synced"`` (a save hook, right after a sync left every rank equal):
 what every rank added since."""
-_DIGEST_BITS = 20  # n * d^2 stays exact in float64 for any n below 2**12
 
 
 _CAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -168,10 +168,12 @@ class _Steady:
             last.rebind(j, self.head[:size].view(last.flats[j].dtype))
             self.tail = self.head[padded:].view(torch.int64)
         self.counted = [bn for bn in plan.bns if bn.count is not None]
-        self.counts: list[torch.Tensor] = [bn.count for bn in self.counted if bn.count is not None]
         self.count_names = [f"{bn.name}.num_batches_tracked" if bn.name else "num_batches_tracked"
                             for bn in self.counted]
         self.layout = bn_average.layout(plan.bns, g.device, untracked=True)  # kept: the plan's tensors are checked
+        self.width = 2 * g.size  # the check: [failed flag per member, changed flag per member]
+        self.combined = torch.zeros(self.width + self.layout.numel, dtype=torch.float64, device=g.device)
+        self.check = torch.zeros(self.width, dtype=torch.float64)  # the check, on the host
         base_counts = [float(bases.get(n, bn.count)) for n, bn in zip(self.count_names, self.counted)]  # type: ignore
         self.bn_sub = torch.tensor([0.0] * len(base_counts) if counts_from_src else base_counts, dtype=torch.float64)
         self.bn_add = torch.tensor([0.0] * len(base_counts) if first else base_counts, dtype=torch.float64)
@@ -253,26 +255,40 @@ class KeepInSync:
         g, deadline = self.g, _wire.Deadline(self.seconds)
         steady = self._steady
         if steady is None:  # an agreement (the first sync, or after a change every rank saw): named differences
-            plan = self._resolve()
-            steady = _Steady(g, plan, self.src, self._last.bases() if self._last else self._start, self._first)
+            try:
+                plan = self._resolve()
+                steady = _Steady(g, plan, self.src, self._last.bases() if self._last else self._start, self._first)
+            except Exception as e:  # this rank's model no longer takes its rules: every rank learns it here
+                try:
+                    _structure.agree(g, (_FN, "its rules no longer apply here", f"{type(e).__name__}: {e}"), [],
+                                     deadline, _FN)
+                except BufferStructureError as mismatch:
+                    raise mismatch from e
+                raise  # every rank failed alike
             _structure.agree(g, steady.call, plan.synced(), deadline, _FN)
             problem = _transaction.unsendable(g, plan.synced(), _FN)
             if problem is not None:
                 raise problem
             self._steady = steady
             self.plan = plan
-        announce = steady.digest
+        announce, cause = steady.digest, None
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
-            fresh = _Steady(g, self._resolve(), self.src, steady.bases(), self._first)
-            if fresh.digest == steady.digest:
-                self._steady = steady = fresh
-            else:  # a new structure: this sync still runs the agreed collectives, announcing it, and writes nothing
-                announce = fresh.digest
+            try:
+                fresh = _Steady(g, self._resolve(), self.src, steady.bases(), self._first)
+            except Exception as e:  # noqa: BLE001 - announced as a change: every rank that can tell raises
+                announce, cause = steady.digest ^ 1, e
+            else:
+                if fresh.digest == steady.digest:
+                    self._steady = steady = fresh
+                else:  # a new structure: this sync still runs the agreed collectives, announcing it, writing nothing
+                    announce = fresh.digest
         try:
             _sync(steady, self.src, deadline, announce)
         except _Changed as e:
             if e.everyone:
                 self._steady = None  # every rank raised: the next sync agrees again, naming the difference
+            if cause is not None:
+                raise e from cause
             raise
         self._last = steady
         self.syncs += 1
@@ -293,51 +309,53 @@ class KeepInSync:
 
 
 class _Changed(BufferStructureError):
-    """The structure changed on some ranks. ``everyone``: every rank raised it (then every rank agrees again at the
-    next sync, naming the difference); else only this rank knows (a receiver whose own buffers changed, when only the
-    source's check travels), and it keeps running the agreed collectives, raising each time, while the others sync."""
+    """The structure changed on some ranks (``ranks``, global, when known). ``everyone``: every rank raised it (then
+    every rank agrees again at the next sync, naming the difference); else only this rank knows (a receiver whose own
+    buffers changed, when only the source's check travels), and it keeps running the agreed collectives, raising
+    each time, while the others sync."""
 
-    def __init__(self, everyone: bool):
-        super().__init__(f"{_FN}(): the model's buffers (or rules) changed since the last sync on some ranks and not "
-                         "on others" + ("; the next sync names the difference" if everyone else
-                                        " (here, not on the source)") + ". No buffer was modified here")
+    def __init__(self, everyone: bool, ranks: tuple[int, ...] = ()):
+        where = (("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))) if ranks else "some ranks"
+        super().__init__(f"{_FN}(): the model's buffers (or rules) changed since the last sync on {where}"
+                         + ("; the next sync names the difference" if everyone else " (here, not on the source)")
+                         + ". No buffer was modified here")
         self.everyone = everyone
 
 
 def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
     """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or alone, or
     in the source's last broadcast bucket), the kinds' collectives, writes. ``announce``: the structure digest this
-    rank has now (not the agreed one: it raises after the collectives, and so does every rank that can tell)."""
+    rank has now (when it is not the agreed one, every rank raises after the check's all-reduce, before the kinds'
+    collectives)."""
     if not s.reduced_check:
         return _sync_broadcast(s, src, deadline, announce)
     g = s.g
     source = g.me == src
-    width = g.size + 2
-    header = torch.zeros(width, dtype=torch.float64, device=g.device)
-    d = float(announce % (1 << _DIGEST_BITS))
-    header[g.size], header[g.size + 1] = d, d * d
+    width, combined, check = s.width, s.combined, s.check
+    check.zero_()
+    check[g.size + g.me] = float(announce != s.digest)
     failure: BaseException | None = None
-    try:
-        combined = bn_average._pack(s.plan.bns, g.device, s.bn_sub, prefix=header, lay=s.layout)
+    try:  # in place into space kept since the agreement: nothing here allocates what the failure path needs
+        combined[:width].copy_(check)
+        bn_average._pack(s.plan.bns, g.device, s.bn_sub, lay=s.layout, out=combined[width:])
         for kind in s.kinds:
             if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
                 for i in range(len(kind.flats)):
                     kind.pack(i)
     except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
         failure = e
-        combined = torch.zeros(width + s.layout.numel, dtype=torch.float64, device=g.device)
-        combined[:width] = header
-        combined[g.me] = 1.0
-    works = [dist.all_reduce(combined, group=g.pg, async_op=True)]
-    _wire.wait(works, deadline, _FN)
-    check = combined[:width].cpu()
-    flags = check[:g.size].tolist()
-    if any(flags):
-        _transaction.abort_if_any(g, [int(f) for f in flags], failure, deadline, f"{_FN}()",
+        check[g.me] = 1.0
+        combined.zero_()
+        combined[:width].copy_(check)
+    _wire.wait([dist.all_reduce(combined, group=g.pg, async_op=True)], deadline, _FN)
+    check.copy_(combined[:width])
+    values = check.tolist()
+    if any(values[:g.size]):
+        _transaction.abort_if_any(g, [int(f) for f in values[:g.size]], failure, deadline, f"{_FN}()",
                                   "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
-    total, squares = float(check[g.size]), float(check[g.size + 1])
-    if total * total != g.size * squares:  # every rank sees it: none runs the kinds' collectives
-        raise _Changed(everyone=True)
+    changed = tuple(r for r, v in zip(g.ranks, values[g.size:]) if v)
+    if changed:  # every rank sees it: none runs the kinds' collectives
+        raise _Changed(everyone=True, ranks=changed)
     works = []
     for kind in s.kinds:
         for flat in kind.flats:
@@ -348,13 +366,9 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                 works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
                                              async_op=True))
     _wire.wait(works, deadline, _FN)
-    if announce != s.digest:  # changed here though the 20 bits agree: the agreed collectives ran, nothing is written
-        raise _Changed(everyone=True)
     with torch.no_grad():  # every collective completed: write (no collective below)
         if s.plan.bns:
-            bn_average._write(s.plan.bns, combined[width:], s.bn_add, lay=s.layout)
-            if s.counts:
-                s.bn_sub = s.bn_add = bn_average._float64(s.counts, torch.device("cpu"), stack=True)
+            s.bn_sub = s.bn_add = bn_average._write(s.plan.bns, combined[width:], s.bn_add, lay=s.layout).counts
         for kind in s.kinds:
             if kind.rule == "broadcast" and source:
                 continue
@@ -396,7 +410,7 @@ def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: in
             raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
                                    "modified", (root,), {}) from failure
         if announce != s.digest:  # the source changed: every receiver raises too
-            raise _Changed(everyone=True)
+            raise _Changed(everyone=True, ranks=(root,))
         _after(s)
         return
     for i, flat in enumerate(kind.flats):
@@ -408,7 +422,7 @@ def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: in
         raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
                                "modified", (root,), {})
     if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
-        raise _Changed(everyone=True)
+        raise _Changed(everyone=True, ranks=(root,))
     if announce != s.digest:  # only this receiver changed
         raise _Changed(everyone=False)
     with torch.no_grad():
@@ -433,7 +447,8 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     :func:`sync_buffers` (default: BatchNorm statistics ``"bn"``, the rest ``"broadcast"`` from ``src``, or the
     rules classes registered); they are resolved and checked now, before any collective. Installing issues no
     collective; the first sync agrees on the structure, every later one costs one collective per reduction kind
-    and bucket (plus one small all-reduce when rules reduce but none is ``"bn"``). ``timeout`` bounds each sync.
+    and bucket, plus the check: in the source's last bucket when every buffer is broadcast, in front of the
+    ``"bn"`` all-reduce when there is one, else one small all-reduce. ``timeout`` bounds each sync.
     One handle per module at a time.
 
     Example::
