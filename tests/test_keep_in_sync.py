@@ -381,7 +381,44 @@ def test_rules_that_stop_applying_on_one_rank_raise_on_every_rank_without_waitin
     world = len(out)
     for o in out:
         assert f"changed since the last sync on rank {world - 1};" in o["steady"], o["steady"]
-        assert "its rules no longer apply here" in o["agreement"] and "'ema' (int64) has rule 'mean'" in o["agreement"]
+        assert "could not plan its buffers here" in o["agreement"] and "'ema' (int64) has rule 'mean'" in o["agreement"]
         assert o["unchanged"]
         first = (world - 1) / 2  # every rank's ema after the first sync; then the last rank's is 10
         torch.testing.assert_close(o["ema"], torch.full((3,), ((world - 1) * first + 10.0) / world))
+
+
+def _broadcast_rules_break(rank, world):
+    out = {}
+    for breaker in (world - 1, 0):  # a receiver, then the source, of a plan that only broadcasts
+        model = nn.Module()
+        model.register_buffer("table", torch.full((2,), float(rank)))
+        handle = zb.keep_in_sync(model, rules={"tab*": "broadcast"}, strict=True, timeout=60)
+        handle.sync()
+        if rank == breaker:  # renamed: the strict glob matches nothing here any more
+            kept = model._buffers.pop("table")
+            model.register_buffer("other", torch.zeros(2))
+        first = messages({"sync": handle.sync}, zb.BufferStructureError)["sync"]
+        second = messages({"sync": handle.sync}, zb.BufferStructureError)["sync"]
+        if rank == breaker:  # put back: every rank syncs again
+            del model._buffers["other"]
+            model._buffers["table"] = kept
+        handle.sync()
+        out[breaker] = (first, second, model.table.clone())
+        handle.remove()
+    return out
+
+
+def test_rules_that_stop_applying_on_a_receiver_or_the_source_of_a_broadcast_plan_never_hang(ranks):
+    out = ranks.run(_broadcast_rules_break, timeout=120)
+    world = len(out)
+    for r, o in enumerate(out):
+        first, second, table = o[world - 1]  # a receiver: it alone raises, every time, while the others sync
+        if r == world - 1:
+            assert f"on rank {world - 1} (here, not on the source)" in first and first == second
+        else:
+            assert first is None and second is None
+        assert torch.equal(table, torch.zeros(2))
+        first, second, table = o[0]  # the source: every rank raises, then every rank learns why at the agreement
+        assert "changed since the last sync on rank 0;" in first
+        assert "could not plan its buffers here" in second and "matches no buffer of the model (strict=True)" in second
+        assert torch.equal(table, torch.zeros(2))

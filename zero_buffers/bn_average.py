@@ -193,7 +193,7 @@ class Written(NamedTuple):
 def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None,
            untracked: bool = False, lay: Layout | None = None) -> Written:
     """Write the merged statistics (identical on every rank: the same all-reduced sums, laid out as :class:`Layout`
-    says). Everything is computed first and the copies come last, so nothing is written unless every write can be.
+    says). Everything is computed first and the copies come last, so a failure while computing writes nothing.
     ``base`` (as in :func:`_pack`) is added back to the counters; ``untracked`` as in :func:`layout` (``lay`` made
     with it wins)."""
     if not bns:
@@ -213,7 +213,7 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor
             dst = [lay.means[i] for i in keep] + [lay.vars[i] for i in keep]
             src = [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep]
         bases = base.tolist() if base is not None else [0.0] * len(lay.counted)
-        after = [float(v) for v in torch.cat(lay.count_views).tolist()] if len(keep) < layers and lay.counted \
+        after = _float64(lay.count_views, torch.device("cpu")).tolist() if len(keep) < layers and lay.counted \
             else [0.0] * len(lay.counted)  # the counters left alone keep their value
         written, values = [], []
         for k, (i, before, most) in enumerate(zip(lay.counted, bases, lay.maxima)):

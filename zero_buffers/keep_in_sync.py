@@ -131,7 +131,7 @@ class _Steady:
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.dicts = [m._buffers for m in plan.modules] + [m._modules for m in plan.modules]
         self.sizes = list(map(len, self.dicts))  # a buffer or a submodule added?
-        self.call = (_FN, src, plan.signature)
+        self.call = (_FN, src, plan.signature)  # (KeepInSync.sync digests the same tuple to spot a change)
         self.digest = _structure.digest(self.call, entries)
         name_of = {id(a.tensor): a.name for a in plan.assigned}
         counts_from_src = first and g.me == src
@@ -154,8 +154,8 @@ class _Steady:
                             torch_compat.copy_all(_views(add, part), base)
                 self.kinds.append(kind)
         self.broadcast = next((k for k in self.kinds if k.rule == "broadcast"), None)
-        # the check: [failed flag per member, d, d^2] all-reduced in front of the BatchNorm sums (or alone), unless
-        # the plan only broadcasts: then the source's [failed, digest] rides in the last 16 bytes of its last bucket
+        # the check: [failed flag per member, changed flag per member] all-reduced before the BatchNorm sums (or
+        # alone), unless the plan only broadcasts: then the source's [failed, digest] rides in its last bucket's tail
         self.reduced_check = bool(plan.bns) or self.broadcast is None or len(self.kinds) > 1
         self.head: torch.Tensor | None = None  # the last broadcast bucket's bytes plus 16
         self.tail = torch.zeros(2, dtype=torch.int64)
@@ -260,7 +260,7 @@ class KeepInSync:
                 steady = _Steady(g, plan, self.src, self._last.bases() if self._last else self._start, self._first)
             except Exception as e:  # this rank's model no longer takes its rules: every rank learns it here
                 try:
-                    _structure.agree(g, (_FN, "its rules no longer apply here", f"{type(e).__name__}: {e}"), [],
+                    _structure.agree(g, (_FN, "could not plan its buffers here", f"{type(e).__name__}: {e}"), [],
                                      deadline, _FN)
                 except BufferStructureError as mismatch:
                     raise mismatch from e
@@ -274,14 +274,12 @@ class KeepInSync:
         announce, cause = steady.digest, None
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
             try:
-                fresh = _Steady(g, self._resolve(), self.src, steady.bases(), self._first)
+                plan = self._resolve()
+                announce = _structure.digest((_FN, self.src, plan.signature), plan.synced())
+                if announce == steady.digest:  # else a new structure: this sync still runs the agreed collectives,
+                    self._steady = steady = _Steady(g, plan, self.src, steady.bases(), self._first)  # writing nothing
             except Exception as e:  # noqa: BLE001 - announced as a change: every rank that can tell raises
                 announce, cause = steady.digest ^ 1, e
-            else:
-                if fresh.digest == steady.digest:
-                    self._steady = steady = fresh
-                else:  # a new structure: this sync still runs the agreed collectives, announcing it, writing nothing
-                    announce = fresh.digest
         try:
             _sync(steady, self.src, deadline, announce)
         except _Changed as e:
@@ -319,14 +317,14 @@ class _Changed(BufferStructureError):
         super().__init__(f"{_FN}(): the model's buffers (or rules) changed since the last sync on {where}"
                          + ("; the next sync names the difference" if everyone else " (here, not on the source)")
                          + ". No buffer was modified here")
-        self.everyone = everyone
+        self.everyone, self.ranks = everyone, ranks
 
 
 def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
     """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or alone, or
     in the source's last broadcast bucket), the kinds' collectives, writes. ``announce``: the structure digest this
     rank has now (when it is not the agreed one, every rank raises after the check's all-reduce, before the kinds'
-    collectives)."""
+    collectives; in a broadcast-only plan a receiver's own change raises there alone, after the broadcasts)."""
     if not s.reduced_check:
         return _sync_broadcast(s, src, deadline, announce)
     g = s.g
@@ -424,7 +422,7 @@ def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: in
     if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
         raise _Changed(everyone=True, ranks=(root,))
     if announce != s.digest:  # only this receiver changed
-        raise _Changed(everyone=False)
+        raise _Changed(everyone=False, ranks=(g.ranks[g.me],))
     with torch.no_grad():
         for i in range(len(kind.flats)):
             torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
