@@ -165,7 +165,8 @@ def test_bad_rules_raise_the_same_named_error_on_every_rank_and_change_nothing(r
         assert out[1][case] == out[0][case]
     for o in out:
         assert o["warned"] == 12 and any("'*.nowhere' matches no buffer" in w for w in o["warnings"])
-        assert "ranks called it with different arguments" in o["differ"] and o["differ_unchanged"]
+        assert "ranks called it with different arguments: rank 0: rule 'mean' for buffer 'ema'; rank 1: rule 'max' " \
+            "for buffer 'ema'" in o["differ"] and o["differ_unchanged"]
         assert "pass a policy" in o["neither"] and "takes no rules" in o["check with rules"]
 
 

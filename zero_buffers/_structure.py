@@ -128,10 +128,11 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
     """The deterministic, identical-on-every-rank error for differing structures (global ranks in the text)."""
     calls = [c for c, _ in structures]
     if any(c != calls[0] for c in calls):
-        details = dict(zip(ranks, map(repr, calls)))
+        texts, blamed, others = _call_difference(calls)
+        extra = f" ({others} more buffers' rules differ)" if others else ""
         return BufferStructureError(
-            f"{what}: ranks called it with different arguments: {by_value(ranks, list(details.values()))}",
-            None, details)
+            f"{what}: ranks called it with different arguments: {by_value(ranks, texts)}{extra}", blamed,
+            dict(zip(ranks, texts)))
     tables = [{s.name: s for s in ss} for _, ss in structures]
     order: list[str] = []
     for _, ss in structures:
@@ -156,6 +157,39 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
     return BufferStructureError(
         f"{what}: ranks register the same buffers in a different order: {by_value(ranks, texts)}. "
         "No buffer was modified.", names[0][pos], dict(zip(ranks, texts)))
+
+
+_ABSENT = object()  # a position one rank's call tuple does not have
+_SHORT = 300  # characters of one argument's repr in a message
+
+
+def _is_signature(x: Any) -> bool:
+    """Whether ``x`` is a rules signature: ``((buffer name, rule), ...)``."""
+    return isinstance(x, tuple) and all(isinstance(e, tuple) and len(e) == 2 and all(isinstance(v, str) for v in e)
+                                        for e in x)
+
+
+def _call_difference(calls: Sequence[tuple]) -> tuple[list[str], str | None, int]:
+    """Per rank, what its call holds where the calls differ; for rules signatures, the first buffer whose rule
+    differs (its name, and how many more differ)."""
+    width = max(len(c) for c in calls)
+    padded = [tuple(c) + (_ABSENT,) * (width - len(c)) for c in calls]
+    positions = [i for i in range(width) if any(p[i] != padded[0][i] for p in padded)]
+    for i in positions:
+        parts = [p[i] for p in padded]
+        if all(_is_signature(x) for x in parts):
+            tables = [dict(x) for x in parts]
+            order = list(dict.fromkeys(n for x in parts for n, _ in x))
+            differing = [n for n in order if len({t.get(n) for t in tables}) > 1]
+            if differing:
+                name = differing[0]
+                return ([f"rule {t[name]!r} for buffer '{name}'" if name in t else f"no buffer '{name}'"
+                         for t in tables], name, len(differing) - 1)
+
+    def short(v: Any) -> str:
+        text = "(no such argument)" if v is _ABSENT else repr(v)
+        return text if len(text) <= _SHORT else text[:_SHORT - 3] + "..."
+    return [", ".join(short(p[i]) for i in positions) for p in padded], None, 0
 
 
 def _which_differs(cells: Sequence[Spec]) -> str:
