@@ -103,7 +103,6 @@ class Layout:
     keeps it between syncs)."""
 
     bns: list[_modules.BatchNorm]
-    device: torch.device
     channels: list[int]
     index: torch.Tensor  # per channel, its layer (to spread per-layer counts over channels)
     counted: list[int]  # the layers with a counter
@@ -140,7 +139,7 @@ def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool 
 
     def target(t: torch.Tensor) -> torch.Tensor:
         return t.data if untracked else t
-    return Layout(bns, device, channels, index, counted, [most[t.dtype] for t in counts], direct,
+    return Layout(bns, channels, index, counted, [most[t.dtype] for t in counts], direct,
                   [target(bn.mean) for bn in bns], [target(bn.var) for bn in bns], [target(t) for t in counts],
                   [t.data.reshape(1) for t in counts], merged_mean, merged_var,
                   list(merged_mean.split(channels)), list(merged_var.split(channels)))

@@ -258,13 +258,10 @@ class _RepeatedSaves:
             handle.sync()
             return
         sync_buffers(model, self.policy, **self.options)  # type: ignore[arg-type]
-        from .keep_in_sync import keep_in_sync
+        from .keep_in_sync import hookless
         o = self.options
-        handle = keep_in_sync(inner, rules=o["rules"], src=o["src"], group=o["group"], timeout=o["timeout"],
-                              strict=o["strict"], _bn_default="broadcast" if self.policy == "broadcast" else "bn",
-                              _start="synced")
-        handle.remove()  # no hook: the saves decide when
-        self.handles[id(inner)] = handle
+        self.handles[id(inner)] = hookless(inner, self.policy, "synced", rules=o["rules"], src=o["src"],
+                                           group=o["group"], timeout=o["timeout"], strict=o["strict"])
 
 
 def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,

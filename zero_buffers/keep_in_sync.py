@@ -62,7 +62,6 @@ class _Kind:
     """One reduction kind's tensors, their buckets and the flat tensors kept between syncs."""
 
     rule: str
-    tensors: list[torch.Tensor]
     buckets: list[_wire.Bucket]
     flats: list[torch.Tensor]
     targets: list[list[torch.Tensor]]  # per bucket: its tensors
@@ -131,7 +130,7 @@ class _Steady:
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
         self.dicts = [m._buffers for m in plan.modules] + [m._modules for m in plan.modules]
         self.sizes = list(map(len, self.dicts))  # a buffer or a submodule added?
-        self.call = (_FN, src, plan.signature)  # (KeepInSync.sync digests the same tuple to spot a change)
+        self.call = _call(src, plan)
         self.digest = _structure.digest(self.call, entries)
         name_of = {id(a.tensor): a.name for a in plan.assigned}
         counts_from_src = first and g.me == src
@@ -141,7 +140,7 @@ class _Steady:
             buckets = _wire.plan(ts)
             if buckets:
                 targets = [[ts[j] for j in b.indices] for b in buckets]
-                kind = _Kind(rule, ts, buckets, [_flat_like(b) for b in buckets], targets,
+                kind = _Kind(rule, buckets, [_flat_like(b) for b in buckets], targets,
                              [[name_of[id(t)] for t in part] for part in targets])
                 if rule == "sum":
                     kind.sub = [torch.zeros_like(f) for f in kind.flats]
@@ -168,8 +167,7 @@ class _Steady:
             last.rebind(j, self.head[:size].view(last.flats[j].dtype))
             self.tail = self.head[padded:].view(torch.int64)
         self.counted = [bn for bn in plan.bns if bn.count is not None]
-        self.count_names = [f"{bn.name}.num_batches_tracked" if bn.name else "num_batches_tracked"
-                            for bn in self.counted]
+        self.count_names = [name for bn in self.counted for name, t in bn.entries() if t is bn.count]
         self.layout = bn_average.layout(plan.bns, g.device, untracked=True)  # kept: the plan's tensors are checked
         self.width = 2 * g.size  # the check: [failed flag per member, changed flag per member]
         self.combined = torch.zeros(self.width + self.layout.numel, dtype=torch.float64, device=g.device)
@@ -275,7 +273,7 @@ class KeepInSync:
         if not steady.current():  # tensors were replaced here: the same structure carries on with them
             try:
                 plan = self._resolve()
-                announce = _structure.digest((_FN, self.src, plan.signature), plan.synced())
+                announce = _structure.digest(_call(self.src, plan), plan.synced())
                 if announce == steady.digest:  # else a new structure: this sync still runs the agreed collectives,
                     self._steady = steady = _Steady(g, plan, self.src, steady.bases(), self._first)  # writing nothing
             except Exception as e:  # noqa: BLE001 - announced as a change: every rank that can tell raises
@@ -306,6 +304,11 @@ class KeepInSync:
         self.remove()
 
 
+def _call(src: int, plan: rules_mod.Plan) -> tuple:
+    """What every rank's call must agree on besides the buffers: the source and each buffer's rule."""
+    return (_FN, src, plan.signature)
+
+
 class _Changed(BufferStructureError):
     """The structure changed on some ranks (``ranks``, global, when known). ``everyone``: every rank raised it (then
     every rank agrees again at the next sync, naming the difference); else only this rank knows (a receiver whose own
@@ -326,7 +329,8 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
     rank has now (when it is not the agreed one, every rank raises after the check's all-reduce, before the kinds'
     collectives; in a broadcast-only plan a receiver's own change raises there alone, after the broadcasts)."""
     if not s.reduced_check:
-        return _sync_broadcast(s, src, deadline, announce)
+        _sync_broadcast(s, src, deadline, announce)
+        return
     g = s.g
     source = g.me == src
     width, combined, check = s.width, s.combined, s.check
@@ -345,7 +349,7 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
         check[g.me] = 1.0
         combined.zero_()
         combined[:width].copy_(check)
-    _wire.wait([dist.all_reduce(combined, group=g.pg, async_op=True)], deadline, _FN)
+    _wire.all_reduce(g, combined, deadline, _FN)
     check.copy_(combined[:width])
     values = check.tolist()
     if any(values[:g.size]):
@@ -379,7 +383,6 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                     flat.div_(g.size)  # scratch: packed again at the next sync
                 torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
     _after(s)
-    return None
 
 
 def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
@@ -391,9 +394,14 @@ def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: in
     root = g.global_rank(src)
     last = len(kind.flats) - 1
     works = []
+
+    def send(i: int) -> None:  # the last bucket travels with the source's check in its tail
+        works.append(dist.broadcast(head if i == last else _wire.wire_view(kind.flats[i]), src=root, group=g.pg,
+                                    async_op=True))
+    failed_text = f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was modified"
     if g.me == src:
         failure: BaseException | None = None
-        for i, flat in enumerate(kind.flats):
+        for i in range(len(kind.flats)):
             if failure is None:
                 try:
                     kind.pack(i)
@@ -401,24 +409,20 @@ def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: in
                     failure = e
             if i == last:
                 s.tail[0], s.tail[1] = int(failure is not None), announce
-            works.append(dist.broadcast(head if i == last else _wire.wire_view(flat), src=root, group=g.pg,
-                                        async_op=True))
+            send(i)
         _wire.wait(works, deadline, _FN)
         if failure is not None:
-            raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
-                                   "modified", (root,), {}) from failure
+            raise SyncAbortedError(failed_text, (root,), {}) from failure
         if announce != s.digest:  # the source changed: every receiver raises too
             raise _Changed(everyone=True, ranks=(root,))
         _after(s)
         return
-    for i, flat in enumerate(kind.flats):
-        works.append(dist.broadcast(head if i == last else _wire.wire_view(flat), src=root, group=g.pg,
-                                    async_op=True))
+    for i in range(len(kind.flats)):
+        send(i)
     _wire.wait(works, deadline, _FN)
     failed, theirs = s.tail.tolist()
     if failed:
-        raise SyncAbortedError(f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was "
-                               "modified", (root,), {})
+        raise SyncAbortedError(failed_text, (root,), {})
     if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
         raise _Changed(everyone=True, ranks=(root,))
     if announce != s.digest:  # only this receiver changed
@@ -433,6 +437,14 @@ def _after(s: _Steady) -> None:
     """The registered after_sync hooks, once every buffer is written."""
     for module, hook in s.plan.after:
         hook(module)
+
+
+def hookless(model: Any, policy: str | None, start: Start, **options: Any) -> KeepInSync:
+    """A :class:`KeepInSync` whose caller decides when it syncs (a save hook, a trainer callback): no hook, the same
+    arithmetic; ``policy`` ``"broadcast"`` broadcasts BatchNorm statistics too. ``options``: keep_in_sync's."""
+    handle = keep_in_sync(model, _bn_default="broadcast" if policy == "broadcast" else "bn", _start=start, **options)
+    handle.remove()
+    return handle
 
 
 def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules | None = None, src: int = 0,

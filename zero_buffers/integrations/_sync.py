@@ -7,7 +7,7 @@ from typing import Any
 from .. import _args, _modules
 from ..checkpoint import _check_policy, sync_buffers
 from ..errors import InvalidArgumentError
-from ..keep_in_sync import KeepInSync, keep_in_sync
+from ..keep_in_sync import KeepInSync, hookless
 from ..rules import Rules
 
 
@@ -57,10 +57,8 @@ class StepSync:
         """At the start of training: what the ranks add from now on is what the syncs count."""
         if self.policy == "check" or model is None:
             return
-        self.handle = keep_in_sync(model, rules=self.rules, src=self.src, timeout=self.timeout, strict=self.strict,
-                                   _bn_default="broadcast" if self.policy == "broadcast" else "bn",
-                                   _start="zero" if from_zero else "installed")
-        self.handle.remove()  # no hook: the callback decides when
+        self.handle = hookless(model, self.policy, "zero" if from_zero else "installed", rules=self.rules,
+                               src=self.src, timeout=self.timeout, strict=self.strict)
 
 
 class SyncCallback:
