@@ -233,7 +233,7 @@ def _changes(rank, world):
     handle.sync()
     out["extra"] = model.extra.clone()
     handle.remove()
-    plain, only = _broadcast_only(rank)  # the check travels with the source; a receiver's own change is its own
+    plain, only = _broadcast_only(rank)  # a plan that only broadcasts: a receiver's change stops every rank too
     if rank == world - 1:
         plain._buffers["table"] = torch.zeros(5)
     out["receiver_change"] = messages({"sync": only.sync}, zb.BufferStructureError)["sync"]
@@ -251,10 +251,8 @@ def test_keep_in_sync_survives_autograd_swapped_tensors_and_structure_changes(ra
         torch.testing.assert_close(o["swapped"], torch.full((3,), (world - 1) / 2))
         assert "changed since the last sync" in o["changed"] and "next sync names" in o["changed"]
         assert torch.equal(o["extra"], torch.zeros(2))  # agreed again, then broadcast from rank 0
-        if r == world - 1:
-            assert "here, not on the source" in o["receiver_change"] and torch.equal(o["table"], torch.zeros(5))
-        else:
-            assert o["receiver_change"] is None and torch.equal(o["table"], torch.zeros(4))
+        assert f"changed since the last sync on rank {world - 1};" in o["receiver_change"]  # on every rank, together
+        assert torch.equal(o["table"], torch.zeros(5) if r == world - 1 else torch.zeros(4))  # as the first sync left it
 
 
 def _mixed_and_swapped(rank, world):
@@ -323,7 +321,7 @@ def _pack_fails(rank, world):
     handle.sync()  # and the next sync works
     out["after"] = _digests(model)
     handle.remove()
-    plain = nn.Module()  # broadcast only: the source fails packing its first bucket, then still sends every bucket
+    plain = nn.Module()  # broadcast only: the source fails packing its first bucket; every rank learns it in the check
     plain.register_buffer("table", torch.full((4,), float(rank)))
     plain.register_buffer("count", torch.tensor(rank))
     only = zb.keep_in_sync(plain)
@@ -349,7 +347,8 @@ def test_a_rank_failing_to_pack_makes_every_rank_raise_and_write_nothing(ranks):
         for where in ("kind", "bn"):
             assert f"packing the buffers failed on rank {world - 1}" in o[where], o[where]
             assert f"simulated packing failure ({where})" in o[where] and o[f"{where}_unchanged"]
-        assert "packing the buffers failed on the source, rank 0" in o["source"] and o["source_unchanged"]
+        assert "packing the buffers failed on rank 0 (rank 0: RuntimeError: simulated on the source)" in o["source"]
+        assert o["source_unchanged"]
         assert all(bitwise_equal(b, out[0]["after"][n]) for n, b in o["after"].items())
         assert torch.equal(o["plain_after"]["table"], torch.full((4,), 1.0))
         assert int(o["plain_after"]["count"]) == 1
@@ -408,15 +407,13 @@ def _broadcast_rules_break(rank, world):
     return out
 
 
-def test_rules_that_stop_applying_on_a_receiver_or_the_source_of_a_broadcast_plan_never_hang(ranks):
+def test_rules_that_stop_applying_on_a_receiver_or_the_source_of_a_broadcast_plan_stop_every_rank(ranks):
     out = ranks.run(_broadcast_rules_break, timeout=120)
     world = len(out)
     for r, o in enumerate(out):
-        first, second, table = o[world - 1]  # a receiver: it alone raises, every time, while the others sync
-        if r == world - 1:
-            assert f"on rank {world - 1} (here, not on the source)" in first and first == second
-        else:
-            assert first is None and second is None
+        first, second, table = o[world - 1]  # a receiver: every rank raises with it, then learns why
+        assert f"changed since the last sync on rank {world - 1};" in first
+        assert "could not plan its buffers here" in second and "matches no buffer of the model (strict=True)" in second
         assert torch.equal(table, torch.zeros(2))
         first, second, table = o[0]  # the source: every rank raises, then every rank learns why at the agreement
         assert "changed since the last sync on rank 0;" in first

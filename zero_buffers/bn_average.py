@@ -1,6 +1,7 @@
 """average_bn_stats: merge rank-local BatchNorm running statistics into those of all ranks' data."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -90,22 +91,34 @@ def warn_identical(fn: str) -> None:
 
 def _float64(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The 1-D tensors concatenated as float64 on ``device`` (one conversion when they share a device and dtype)."""
+    if not ts:
+        return torch.zeros(0, dtype=torch.float64, device=device)
     if len({(t.device, t.dtype) for t in ts}) == 1:
         return torch.cat(ts).to(device, torch.float64)
     return torch.cat([t.to(device, torch.float64) for t in ts])
 
 
+# [Note: the BatchNorm sums]
+# Every merge of BatchNorm statistics (average_bn_stats, the "bn" rule, keep_in_sync, the save hooks) all-reduces one
+# float64 tensor laid out as  [w (L) | c (L) | first (C) | second (C)]  (L layers, C channels of all layers in layer
+# order) and divides after it:  mean = first / w,  var = second / w - mean**2,  num_batches_tracked = c.
+#   w       the weight of what this rank contributes (batches),
+#   c       what this rank adds to the counter,
+#   first   w * mean of what it contributes,  second  w * (var + mean**2) of it.
+# A one-shot merge contributes each rank's whole statistics (w = c = its counter; a layer without a counter has
+# w = 1, c = 0): the exact mixture of the ranks' data when each rank's statistics are the plain average over its
+# batches (momentum=None). Repeated merges (:class:`Repeated`) contribute so that a batch is never counted twice.
+
 @dataclass
 class Layout:
-    """Where every layer's statistics sit in the merged sums ``[n per layer (L), n * mean (C), n * (var + mean^2)
-    (C)]`` (``C``: every layer's channels, in layer order; ``n`` is 1 for a layer without a counter), the tensors read
-    and written, and the float64 space the merged statistics are computed in: made once per structure (keep_in_sync
-    keeps it between syncs)."""
+    """Where every layer's statistics sit in the sums ([Note: the BatchNorm sums]), the tensors read and written, and
+    the float64 space the merged statistics are computed in: made once per structure (keep_in_sync keeps it)."""
 
     bns: list[_modules.BatchNorm]
     channels: list[int]
-    index: torch.Tensor  # per channel, its layer (to spread per-layer counts over channels)
+    index: torch.Tensor  # (C,) per channel, its layer (to spread per-layer values over channels)
     counted: list[int]  # the layers with a counter
+    has_count: torch.Tensor  # (L,) float64: 1 where the layer has a counter
     maxima: list[int]  # per counted layer, the largest value its counter's dtype holds
     direct: bool  # statistics and counters on ``device``, the statistics in one dtype: one cat each, no .to per layer
     means: list[torch.Tensor]  # the tensors written: ``.data`` of each when untracked
@@ -118,8 +131,35 @@ class Layout:
     var_views: list[torch.Tensor]
 
     @property
+    def layers(self) -> int:
+        return len(self.bns)
+
+    @property
+    def width(self) -> int:
+        """C: the channels of every layer."""
+        return sum(self.channels)
+
+    @property
     def numel(self) -> int:
-        return len(self.bns) + 2 * sum(self.channels)
+        return 2 * self.layers + 2 * self.width
+
+    def parts(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w, c, first, second): views of ``sums``."""
+        L, C = self.layers, self.width
+        return sums[:L], sums[L:2 * L], sums[2 * L:2 * L + C], sums[2 * L + C:2 * L + 2 * C]
+
+    def read(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (counter per layer, mean per channel, var per channel) in float64 on ``device``; a layer
+        without a counter reads 1."""
+        n = torch.ones(self.layers, dtype=torch.float64, device=device)
+        if self.counted:
+            if len(self.counted) == self.layers and self.direct:
+                n.copy_(torch.cat(self.count_views))  # (a casting out= takes a slow path)
+            else:
+                n[self.counted] = _float64(self.count_views, device)
+        if self.direct:
+            return n, torch.cat([bn.mean for bn in self.bns]).double(), torch.cat([bn.var for bn in self.bns]).double()
+        return n, _float64([bn.mean for bn in self.bns], device), _float64([bn.var for bn in self.bns], device)
 
 
 def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool = False) -> Layout:
@@ -130,6 +170,7 @@ def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool 
         if bns else torch.zeros(0, dtype=torch.long, device=device)
     counts = [bn.count for bn in bns if bn.count is not None]
     counted = [i for i, bn in enumerate(bns) if bn.count is not None]
+    has_count = torch.tensor([float(bn.count is not None) for bn in bns], dtype=torch.float64, device=device)
     stats = [t for bn in bns for t in (bn.mean, bn.var)]
     direct = not stats or (len({(t.device, t.dtype) for t in stats}) == 1 and stats[0].device == device
                            and all(t.device == device for t in counts))
@@ -139,91 +180,211 @@ def layout(bns: list[_modules.BatchNorm], device: torch.device, untracked: bool 
 
     def target(t: torch.Tensor) -> torch.Tensor:
         return t.data if untracked else t
-    return Layout(bns, channels, index, counted, [most[t.dtype] for t in counts], direct,
+    return Layout(bns, channels, index, counted, has_count, [most[t.dtype] for t in counts], direct,
                   [target(bn.mean) for bn in bns], [target(bn.var) for bn in bns], [target(t) for t in counts],
                   [t.data.reshape(1) for t in counts], merged_mean, merged_var,
                   list(merged_mean.split(channels)), list(merged_var.split(channels)))
 
 
-def _pack(bns: list[_modules.BatchNorm], device: torch.device, base: torch.Tensor | None = None,
-          lay: Layout | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sums laid out as :class:`Layout` says, in float64 on ``device``: a few whole-model ops whatever the
-    number of layers. ``base``: every layer's counter at the last sync (float64, one per layer with a counter):
-    ``n`` is then the batches since (keep_in_sync: repeated merges must not count a batch twice). ``lay``: the
-    layout kept from an earlier call; ``out``: float64 space of ``lay.numel`` to pack into (else a new tensor)."""
+def _pack(bns: list[_modules.BatchNorm], device: torch.device, lay: Layout | None = None,
+          out: torch.Tensor | None = None, repeated: Repeated | None = None) -> torch.Tensor:
+    """This rank's contribution to the sums ([Note: the BatchNorm sums]) in float64 on ``device``: its whole statistics,
+    or with ``repeated`` what it has to add since the last merge. ``lay``: the layout kept from an earlier call;
+    ``out``: float64 space of ``lay.numel`` to pack into (else a new tensor). A few whole-model ops whatever the
+    number of layers."""
     if not bns:
         return torch.zeros(0, dtype=torch.float64, device=device) if out is None else out
     lay = layout(bns, device) if lay is None else lay
-    layers, c = len(bns), sum(lay.channels)
     out = torch.empty(lay.numel, dtype=torch.float64, device=device) if out is None else out
     with torch.no_grad():
-        n = out[:layers]
-        n.fill_(1.0)
-        if lay.counted:
-            if len(lay.counted) == layers and lay.direct:
-                n.copy_(torch.cat(lay.count_views))  # (a casting out= takes a slow path)
-            else:
-                n[lay.counted] = _float64(lay.count_views, device)
-            if base is not None and len(lay.counted) == layers:
-                n.sub_(base.to(device)).clamp_min_(0)
-            elif base is not None:
-                n[lay.counted] = (n[lay.counted] - base.to(device)).clamp_min(0)
-        mean, square = out[layers:layers + c], out[layers + c:]
-        if lay.direct:
-            mean.copy_(torch.cat([bn.mean for bn in bns]))
-            square.copy_(torch.cat([bn.var for bn in bns]))
-        else:
-            mean.copy_(_float64([bn.mean for bn in bns], device))
-            square.copy_(_float64([bn.var for bn in bns], device))
+        n, mean, var = lay.read(device)
+        w, c, first, second = lay.parts(out)
+        if repeated is not None:
+            repeated.contribute(n, mean, var, w, c, first, second)
+            return out
+        w.copy_(n)
+        torch.mul(n, lay.has_count, out=c)
         per = n.index_select(0, lay.index)
-        square.add_(mean * mean).mul_(per)  # n * (var + mean^2)
-        mean.mul_(per)  # n * mean
+        torch.mul(mean, per, out=first)
+        torch.addcmul(var, mean, mean, out=second).mul_(per)
     return out
 
 
 class Written(NamedTuple):
-    """What :func:`_write` did: every layer's total count (0: no rank counted it, and it was left alone) and every
-    counted layer's counter afterwards (float64, on the host)."""
+    """What :func:`_write` did: every layer's total weight (0: no rank contributed, and it was left alone) and its
+    counter afterwards (float64 on the sums' device; a layer without a counter or left alone: its value before)."""
 
     totals: list[float]
     counts: torch.Tensor
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, base: torch.Tensor | None = None,
-           untracked: bool = False, lay: Layout | None = None) -> Written:
-    """Write the merged statistics (identical on every rank: the same all-reduced sums, laid out as :class:`Layout`
-    says). Everything is computed first and the copies come last, so a failure while computing writes nothing.
-    ``base`` (as in :func:`_pack`) is added back to the counters; ``untracked`` as in :func:`layout` (``lay`` made
-    with it wins)."""
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = False,
+           lay: Layout | None = None) -> Written:
+    """Write the merged statistics (identical on every rank: the same all-reduced sums, [Note: the BatchNorm sums]).
+    Everything is computed first and the copies come last, so a failure while computing writes nothing. Counters
+    saturate at their dtype's largest value. ``untracked`` as in :func:`layout` (``lay`` made with it wins)."""
     if not bns:
         return Written([], torch.zeros(0, dtype=torch.float64))
     lay = layout(bns, sums.device, untracked) if lay is None else lay
-    layers, c = len(bns), sum(lay.channels)
-    totals = sums[:layers].cpu().tolist()  # one device-to-host copy
+    L = lay.layers
+    w, _, first, second = lay.parts(sums)
+    host = sums[:2 * L].cpu().tolist()  # one device-to-host copy: weights and counters
+    totals, adds = host[:L], host[L:]
     with torch.no_grad():
-        per = sums[:layers].index_select(0, lay.index)
-        torch.div(sums[layers:layers + c], per, out=lay.merged_mean)
-        torch.div(sums[layers + c:layers + 2 * c], per, out=lay.merged_var)
+        per = w.index_select(0, lay.index)
+        torch.div(first, per, out=lay.merged_mean)
+        torch.div(second, per, out=lay.merged_var)
         lay.merged_var.sub_(lay.merged_mean * lay.merged_mean).clamp_min_(0)
         keep = [i for i, total in enumerate(totals) if total > 0]
-        if len(keep) == layers:
+        if len(keep) == L:
             dst, src = lay.means + lay.vars, lay.mean_views + lay.var_views
         else:
             dst = [lay.means[i] for i in keep] + [lay.vars[i] for i in keep]
             src = [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep]
-        bases = base.tolist() if base is not None else [0.0] * len(lay.counted)
-        after = _float64(lay.count_views, torch.device("cpu")).tolist() if len(keep) < layers and lay.counted \
-            else [0.0] * len(lay.counted)  # the counters left alone keep their value
+        after = lay.read(sums.device)[0].tolist() if len(keep) < L else [0.0] * L  # left alone: as they were
         written, values = [], []
-        for k, (i, before, most) in enumerate(zip(lay.counted, bases, lay.maxima)):
+        for k, (i, most) in enumerate(zip(lay.counted, lay.maxima)):
             if totals[i] > 0:  # saturating: merging again and again (every step) must not overflow mid-write
                 written.append(lay.counts[k])
-                values.append(min(round(before + totals[i]), most))
-                after[k] = float(values[-1])
+                values.append(min(max(round(adds[i]), 0), most))
+                after[i] = float(values[-1])
         counts = list(torch.tensor(values, dtype=torch.int64).unbind()) if written else []
-        state = torch.tensor(after, dtype=torch.float64)
+        state = torch.tensor(after, dtype=torch.float64, device=sums.device)
         if keep:  # every value is ready: the writes
             torch_compat.copy_all(dst, src, False)
         if written:
             torch_compat.copy_all(written, counts, False)
     return Written(totals, state)
+
+
+# [Note: repeated merges]
+# keep_in_sync (and the save hooks and trainer callbacks built on it) merge the same statistics again and again. After
+# a merge every rank holds the same statistics, so merging whole statistics again would count the shared history once
+# per rank. Each rank therefore contributes only what it did not contribute before, and the history every rank shares
+# (the statistics at the start, when every rank held the same) enters once, through the source rank:
+#
+# * a layer with ``momentum=None`` (a cumulative average: the exact case) keeps, per rank, the sums of everything it
+#   added since the start, derived from its statistics and those the last merge left (``a = n mean - n0 mean0``,
+#   ``v = n var - n0 var0``): its batches ``K``, ``A = sum of batch means``, ``V = sum of batch variances``. The merge
+#   is the mixture of the shared start (count N0, mean M0, var V0) and every rank's own data since:
+#       mean = (N0 M0 + sum A) / (N0 + sum K)
+#       var  = (N0 (V0 + M0**2) + sum (V + A**2 / K)) / (N0 + sum K) - mean**2
+#   which is what one average_bn_stats at the end gives when no rank ever synced (from a fresh layer, N0 = 0), however
+#   often the ranks merged in between;
+# * a layer with a momentum (an EMA) cannot be split into batches: each rank's statistics are weighted by the batches
+#   it ran since the last merge (``n - n0``). When every rank ran as many, the merged running_mean is the EMA of the
+#   rank-averaged batch means (the update is linear); running_var is the average of the ranks' running_var plus the
+#   weighted spread of their running means;
+# * a layer without a counter has weight 1 on every rank;
+# * num_batches_tracked becomes the count at the last merge plus every rank's batches since.
+# Where the ranks did not hold the same statistics at the start (they diverged before keep_in_sync was called, or a
+# save hook begins late), nothing is shared: every rank's whole statistics count, and the first merge is exactly
+# average_bn_stats'. A counter below the one the last merge left (the layer was replaced or reloaded on this rank)
+# starts this rank's layer afresh: its whole statistics count.
+
+@dataclass
+class Repeated:
+    """One rank's side of repeated merges of ``lay``'s layers ([Note: repeated merges]); float64 on the sums' device.
+    ``contribute`` fills this rank's part of the sums without changing anything; ``commit`` takes it up once the
+    merged statistics were written."""
+
+    lay: Layout
+    source: bool  # the rank through which the shared start enters the sums
+    cumulative: torch.Tensor  # (L,) bool: momentum=None layers with a counter
+    last_n: torch.Tensor  # (L,) the counter the last merge left (at the start: the shared one, or 0)
+    last_mean: torch.Tensor  # (C,) the statistics the last merge left (cumulative layers)
+    last_var: torch.Tensor
+    acc_k: torch.Tensor  # (L,) cumulative layers: this rank's batches since the start
+    acc_a: torch.Tensor  # (C,) ... the sum of its batch means
+    acc_v: torch.Tensor  # (C,) ... the sum of its batch variances
+    origin: torch.Tensor  # (L + 2C,) on the source: the shared start of cumulative layers [N0, N0 M0, N0 (V0 + M0^2)]
+    _pending: tuple[torch.Tensor, ...] | None = None
+
+    @classmethod
+    def start(cls, lay: Layout, device: torch.device, source: bool, shared: torch.Tensor,
+              at_start: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> Repeated:
+        """Before the first merge: ``shared`` (L,) bool marks the layers every rank held identically at the start,
+        whose statistics then were ``at_start`` (counter, mean, var as :meth:`Layout.read` gives them)."""
+        L, C = lay.layers, lay.width
+        zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
+        cumulative = torch.tensor([bn.module.momentum is None and bn.count is not None for bn in lay.bns],
+                                  dtype=torch.bool, device=device)
+        state = cls(lay, source, cumulative, zeros(L), zeros(C), zeros(C), zeros(L), zeros(C), zeros(C),
+                    zeros(L + 2 * C))
+        if at_start is not None and L:
+            n, mean, var = at_start
+            keep = shared.to(device=device, dtype=torch.float64)
+            keep_c = keep.index_select(0, lay.index)
+            state.last_n.copy_(n * keep)
+            state.last_mean.copy_(mean * keep_c)
+            state.last_var.copy_(var * keep_c)
+            if source:
+                cum = keep * cumulative.double()
+                cum_c = cum.index_select(0, lay.index)
+                n_c = n.index_select(0, lay.index)
+                state.origin[:L] = n * cum
+                state.origin[L:L + C] = n_c * mean * cum_c
+                state.origin[L + C:] = n_c * torch.addcmul(var, mean, mean) * cum_c
+        return state
+
+    def contribute(self, n: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
+                   first: torch.Tensor, second: torch.Tensor) -> None:
+        """This rank's (w, c, first, second) for the next merge, from its statistics now (``n`` per layer, ``mean``
+        and ``var`` per channel, float64). Nothing is kept until :meth:`commit`."""
+        lay, index = self.lay, self.lay.index
+        L, C = lay.layers, lay.width
+        fresh = (n < self.last_n) & lay.has_count.bool()  # replaced or reloaded here: start this layer afresh
+        keep = (~fresh).double()
+        keep_c = keep.index_select(0, index)
+        last_n = self.last_n * keep
+        k = torch.where(lay.has_count.bool(), n - last_n, torch.ones_like(n))
+        k_c, n_c, last_c = k.index_select(0, index), n.index_select(0, index), last_n.index_select(0, index)
+        acc_k = self.acc_k * keep + k
+        acc_a = self.acc_a * keep_c + (n_c * mean - last_c * self.last_mean * keep_c)
+        acc_v = self.acc_v * keep_c + (n_c * var - last_c * self.last_var * keep_c)
+        cum = self.cumulative
+        cum_c = cum.index_select(0, index)
+        acc_k_c = acc_k.index_select(0, index)
+        spread = torch.where(acc_k_c > 0, acc_a * acc_a / acc_k_c.clamp_min(1), torch.zeros_like(acc_a))
+        origin = self.origin * torch.cat([keep, keep_c, keep_c])
+        w.copy_(torch.where(cum, acc_k, k) + origin[:L])
+        first.copy_(torch.where(cum_c, acc_a, k_c * mean) + origin[L:L + C])
+        second.copy_(torch.where(cum_c, acc_v + spread, k_c * torch.addcmul(var, mean, mean)) + origin[L + C:])
+        torch.mul(k + (last_n if self.source else 0.0), lay.has_count, out=c)
+        self._pending = (acc_k, acc_a, acc_v, origin)
+
+    def commit(self, written: Written) -> None:
+        """The merge was written: take up what :meth:`contribute` computed, and what the merge left."""
+        assert self._pending is not None
+        self.acc_k, self.acc_a, self.acc_v, self.origin = self._pending
+        self._pending = None
+        self.last_n.copy_(written.counts)
+        if bool(self.cumulative.any()):
+            _, mean, var = self.lay.read(self.last_n.device)
+            self.last_mean.copy_(mean)
+            self.last_var.copy_(var)
+
+    def _slots(self) -> dict[str, list[torch.Tensor]]:
+        """Per layer name, views of its state: (last_n, acc_k, origin w) and (last_mean, last_var, acc_a, acc_v,
+        origin first, origin second) over its channels."""
+        L, C = self.lay.layers, self.lay.width
+        out, start = {}, 0
+        for i, (bn, ch) in enumerate(zip(self.lay.bns, self.lay.channels)):
+            a, b = start, start + ch
+            out[bn.name] = [self.last_n[i:i + 1], self.acc_k[i:i + 1], self.origin[i:i + 1], self.last_mean[a:b],
+                            self.last_var[a:b], self.acc_a[a:b], self.acc_v[a:b], self.origin[L + a:L + b],
+                            self.origin[L + C + a:L + C + b]]
+            start = b
+        return out
+
+    def by_layer(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Each layer's state by name (copies), to carry over to a new plan."""
+        return {name: tuple(t.clone() for t in views) for name, views in self._slots().items()}
+
+    def carry(self, earlier: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Take up the state of the layers a former plan knew by these names (with as many channels); the others
+        start afresh (their whole statistics count)."""
+        for name, views in self._slots().items():
+            old = earlier.get(name)
+            if old is not None and old[3].numel() == views[3].numel():
+                torch_compat.copy_all(views, list(old), False)

@@ -70,6 +70,8 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     """
     fn = "sync_buffers"
     _check_policy(policy, data, fn, rules=rules)
+    if policy is None and rules is None:
+        policy = "average"  # the default rules: BatchNorm statistics merged, every other buffer from src
     _args.module(model, fn)
     src = _args.rank(src, "src", fn)
     seconds = _args.timeout(timeout, fn)
@@ -151,11 +153,9 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
 
 
 def _check_policy(policy: Any, data: Any, fn: str, reused: bool = False, rules: Any = None) -> None:
-    """Raise InvalidArgumentError for an unknown policy, neither a policy nor rules, ``"check"`` with rules,
+    """Raise InvalidArgumentError for an unknown policy, ``"check"`` with rules,
     ``"recompute"`` without data, or (``reused``: data that every save iterates again) a one-shot iterator; before
     any collective."""
-    if policy is None and rules is None:
-        raise InvalidArgumentError(f"{fn}(): pass a policy ({', '.join(map(repr, POLICIES))}) or rules=")
     if policy == "check" and rules is not None:
         raise InvalidArgumentError(f"{fn}(): policy 'check' changes nothing, so it takes no rules")
     if policy is not None and policy not in POLICIES:
@@ -238,11 +238,10 @@ _MISSING = object()
 
 
 class _RepeatedSaves:
-    """The syncs of one save hook. The first save of a model is :func:`sync_buffers` (the merge of every rank's whole
-    statistics); after it every rank holds the same buffers, so each later save goes through a hookless
-    :func:`keep_in_sync` begun there: counters and "sum" buffers add what the ranks added since the last save, and a
-    save with no training in between changes nothing (merging whole counters again would multiply them by the world
-    size at every save). ``"recompute"`` and ``"check"`` are one-shot by nature and stay so."""
+    """The syncs of one save hook, through a hookless :func:`keep_in_sync` per model begun at its first save: that
+    first sync counts every rank's whole statistics (the merge :func:`sync_buffers` does), each later one what the
+    ranks added since ([Note: repeated merges] in bn_average.py), so a save with no training in between changes
+    nothing and a batch never counts twice. ``"recompute"`` and ``"check"`` are one-shot by nature and stay so."""
 
     def __init__(self, policy: str | None, options: dict[str, Any]):
         self.policy, self.options = policy, options
@@ -254,14 +253,13 @@ class _RepeatedSaves:
             return
         inner = _modules.unwrap(model, "sync_buffers_on_save")
         handle = self.handles.get(id(inner))
-        if handle is not None and handle.module is inner:
-            handle.sync()
-            return
-        sync_buffers(model, self.policy, **self.options)  # type: ignore[arg-type]
-        from .keep_in_sync import hookless
-        o = self.options
-        self.handles[id(inner)] = hookless(inner, self.policy, "synced", rules=o["rules"], src=o["src"],
-                                           group=o["group"], timeout=o["timeout"], strict=o["strict"])
+        if handle is None or handle.module is not inner:
+            from .keep_in_sync import hookless
+            o = self.options
+            handle = self.handles[id(inner)] = hookless(
+                inner, self.policy, "zero", rules=o["rules"], src=o["src"], group=o["group"], timeout=o["timeout"],
+                strict=o["strict"], identical_warning=f"sync_buffers_on_save(policy={self.policy or 'average'!r})")
+        handle.sync()
 
 
 def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,

@@ -6,25 +6,32 @@ accumulation boundary: between a backward and the next forward, so no autograd g
 before every ``every``-th train-mode forward of a module (as DDP does; eval-mode forwards never sync, so an eval on
 one rank alone cannot hang). ``handle.sync()`` syncs now.
 
-Steady state, the hot path: the structure is agreed once, at the first sync (one small all_gather naming any
-difference). Every later sync re-checks locally that the buffers are the tensors it planned for, over the same
-memory (three C-level passes over kept lists: identity, address, dict sizes; tensors replaced by ones of the same
-structure, or given new memory by ``buf.data = ...``, are taken up), then pays one collective per reduction kind and
-bucket (dtype within a kind: int64 stays int64), packing each bucket into flat tensors kept between calls (one
-``torch.cat(out=)`` for a contiguous bucket of a dtype it takes, else one fused copy) and unpacking with one fused
-copy, writing only once every collective completed. The buffers
-stay ordinary tensors with their own memory (views into the buckets would save both copies, but Accelerate's
-``save_model`` keeps one tensor per shared storage and drops the rest from the checkpoint). The cross-rank check
-rides along: ``[failed flag per member, changed flag per member]`` (changed: this rank's structure digest now is
-not the agreed one, an exact local comparison) in front of the BatchNorm all-reduce, or alone when any rule reduces
-and none is ``"bn"``; for a plan that
-only broadcasts, the source's ``[failed, full digest]`` rides in the last 16 bytes of its last bucket (it packs and
-sends bucket by bucket; then a receiver whose own structure changed raises alone, after the collectives, having
-written nothing, while the others take the source's values).
+[Note: steady state]
+The structure is agreed once, at the first sync (one small all_gather naming any difference). Every later sync:
 
-Repeated syncs do not compound: ``"bn"`` weights and counts each rank's batches since the last sync
-(``num_batches_tracked`` stays the count of all ranks' batches), ``"sum"`` adds what each rank added since the last
-sync (the first sync: the source's value plus what every other rank added since ``keep_in_sync`` was called).
+1. checks locally that the model still is what the plan was made from (:meth:`_Steady.current`: the very module
+   objects under their parents, the very buffer tensors under their modules, over the same memory, no buffer or
+   submodule more; C-level passes over kept lists). Tensors or modules replaced by ones of the same structure, on
+   every rank or one, are taken up; a different structure is *announced*, not acted on alone;
+2. packs every reduced kind (and, on the source, every broadcast bucket) into flat tensors kept between calls;
+3. all-reduces ``[failed flag per member, changed flag per member]`` together with the BatchNorm sums
+   ([Note: the BatchNorm sums] in bn_average.py): one collective. Any flag set: every rank raises the same error
+   after it, before any data collective, and writes nothing (a changed structure: the next sync agrees again, naming
+   the difference);
+4. one collective per reduction kind and bucket (int64 stays int64; 16-bit floats are reduced in float64 and
+   rounded once);
+5. writes, with no further collective, then runs the ``after_sync`` hooks.
+
+Every rank reaches the same collectives in the same order whatever its local state: a rank whose model changed, or
+that fails to pack, still runs step 3 and raises with the others. The buffers stay ordinary tensors with their own
+memory (views into the buckets would save both copies, but Accelerate's ``save_model`` keeps one tensor per shared
+storage and drops the rest from the checkpoint).
+
+Repeated syncs count nothing twice: ``"bn"`` as [Note: repeated merges] (bn_average.py) says; ``"sum"`` adds what
+each rank added since the last sync, and the value every rank held then enters once, through the source. At the
+first sync, history counts once only where every rank held the same value at the start (``start="installed"``,
+decided per BatchNorm layer and per ``"sum"`` buffer by comparing digests); where the ranks already differed, every
+rank's whole value counts (for ``"bn"``: exactly :func:`average_bn_stats`).
 """
 from __future__ import annotations
 
@@ -38,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _args, _group, _modules, _structure, _transaction, _wire, bn_average
+from . import _args, _digest, _group, _modules, _structure, _transaction, _wire, bn_average
 from . import rules as rules_mod
 from ._compat import deepspeed as ds_compat
 from ._compat import torch as torch_compat
@@ -46,11 +53,10 @@ from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
 
 _FN = "keep_in_sync"
 _MARK = "_zero_buffers_keep_in_sync"  # on the module while a handle keeps it in sync
-Start = Literal["installed", "zero", "synced"]
-"""What the first sync counts of the "sum" buffers and BatchNorm counters: ``"installed"`` (keep_in_sync): the
-source's whole value plus what every other rank added since the handle was made; ``"zero"`` (a trainer callback
-that began late): every rank's whole value; ``"synced"`` (a save hook, right after a sync left every rank equal):
-what every rank added since."""
+Start = Literal["installed", "zero"]
+"""What the first sync counts of the "sum" buffers and BatchNorm statistics: ``"installed"`` (keep_in_sync): what every
+rank held when the handle was made counts once where every rank held the same, else every rank's whole value;
+``"zero"`` (a save hook, a trainer callback that began late): every rank's whole value."""
 
 
 _CAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -63,21 +69,21 @@ class _Kind:
 
     rule: str
     buckets: list[_wire.Bucket]
-    flats: list[torch.Tensor]
+    flats: list[torch.Tensor]  # per bucket, in wire_dtype
     targets: list[list[torch.Tensor]]  # per bucket: its tensors
     names: list[list[str]]  # per bucket: its tensors' qualified names
     views: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: views of its flat shaped like them
     writes: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: ``t.data`` of its tensors
     sources: list[list[torch.Tensor] | None] = field(default_factory=list)  # per bucket: ``t.data.view(-1)`` of its
-    # tensors when one torch.cat(out=) can pack them (contiguous, a dtype it takes), else None
-    sub: list[torch.Tensor] | None = None  # "sum": what each rank subtracts before the all-reduce, per bucket
-    add: list[torch.Tensor] | None = None  # "sum": what is added back to the all-reduced deltas
+    # tensors when one torch.cat(out=) can pack them (contiguous, a dtype it takes, no conversion), else None
+    sub: list[torch.Tensor] | None = None  # "sum": what this rank subtracts before the all-reduce, per bucket
 
     def __post_init__(self) -> None:
         self.views = [_views(f, t) for f, t in zip(self.flats, self.targets)]
         self.writes = [[t.data for t in part] for part in self.targets]
         self.sources = [[w.view(-1) for w in part]
-                        if b.dtype in _CAT_DTYPES and all(w.is_contiguous() for w in part) else None
+                        if b.dtype in _CAT_DTYPES and rules_mod.wire_dtype(self.rule, b.dtype) in (b.dtype, torch.uint8)
+                        and all(w.is_contiguous() for w in part) else None
                         for b, part in zip(self.buckets, self.writes)]
 
     def pack(self, i: int) -> None:
@@ -90,14 +96,13 @@ class _Kind:
         if self.sub is not None:
             flat.sub_(self.sub[i])  # "sum": what this rank added since the last sync
 
-    def rebind(self, i: int, flat: torch.Tensor) -> None:
-        """Bucket ``i`` now lives in ``flat`` (a view into a larger tensor)."""
-        self.flats[i] = flat
-        self.views[i] = _views(flat, self.targets[i])
+    def unpack(self, i: int) -> None:
+        """Write bucket ``i``'s flat into its tensors (converting back from the wire dtype: one rounding)."""
+        torch_compat.copy_all(self.writes[i], self.views[i], self.buckets[i].dtype.is_complex)
 
 
-def _flat_like(b: _wire.Bucket) -> torch.Tensor:
-    return torch.zeros(b.numel, dtype=torch.uint8 if b.dtype == torch.bool else b.dtype, device=b.device)
+def _flat_like(rule: str, b: _wire.Bucket) -> torch.Tensor:
+    return torch.zeros(b.numel, dtype=rules_mod.wire_dtype(rule, b.dtype), device=b.device)
 
 
 def _views(flat: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -110,17 +115,25 @@ def _views(flat: torch.Tensor, ts: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _Steady:
-    """What one structure agreement settled: the plan, its digest, the kinds with their buckets, and the bases of
-    the "sum" buffers and BatchNorm counters (what each rank subtracts before, and what is added back after, the
-    all-reduce)."""
+@dataclass
+class _Carry:
+    """What one agreement hands to the next (by name): the base each "sum" buffer subtracts on a rank other than the
+    source, and each BatchNorm layer's :class:`bn_average.Repeated` state."""
 
-    def __init__(self, g: _group.Group, plan: rules_mod.Plan, src: int, bases: dict[str, torch.Tensor],
-                 first: bool):
-        """``bases``: by name, the values the last sync left (the same on every rank), or, at the ``first`` sync,
-        this rank's values when keep_in_sync was called: then the source's whole value counts (it subtracts nothing,
-        nothing is added back) and every other rank's additions since."""
-        self.plan, self.g = plan, g
+    sums: dict[str, torch.Tensor]
+    bns: dict[str, tuple[torch.Tensor, ...]]
+
+
+_CHILDREN = operator.attrgetter("_modules")
+_BUFFERS = operator.attrgetter("_buffers")
+
+
+class _Steady:
+    """What one structure agreement settled: the plan, its digest, the kinds with their buckets, the check, the
+    BatchNorm layout and this rank's side of the repeated merges, and what :meth:`current` compares."""
+
+    def __init__(self, g: _group.Group, plan: rules_mod.Plan, src: int):
+        self.plan, self.g, self.src = plan, g, src
         entries = plan.synced()
         mine = {id(t) for _, t in entries}
         owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
@@ -128,70 +141,103 @@ class _Steady:
         self.tables, self.keys = [o[0] for o in owners], [o[1] for o in owners]
         self.tensors = [o[2] for o in owners]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
-        self.dicts = [m._buffers for m in plan.modules] + [m._modules for m in plan.modules]
-        self.sizes = list(map(len, self.dicts))  # a buffer or a submodule added?
+        self.modules = list(plan.modules)
+        self.buffer_dicts = list(map(_BUFFERS, self.modules))
+        self.child_dicts = list(map(_CHILDREN, self.modules))
+        links = [(d, k, c) for d in self.child_dicts for k, c in d.items()]  # every parent -> child, by key
+        self.link_dicts, self.link_keys, self.children = [x[0] for x in links], [x[1] for x in links], \
+            [x[2] for x in links]
+        self.sizes = list(map(len, self.buffer_dicts + self.child_dicts))  # a buffer or a submodule added?
         self.call = _call(src, plan)
         self.digest = _structure.digest(self.call, entries)
         name_of = {id(a.tensor): a.name for a in plan.assigned}
-        counts_from_src = first and g.me == src
         self.kinds: list[_Kind] = []
         for rule in ("sum", "mean", "max", "min", "broadcast"):
             ts = [a.tensor for a in plan.of(rule)]
             buckets = _wire.plan(ts)
             if buckets:
                 targets = [[ts[j] for j in b.indices] for b in buckets]
-                kind = _Kind(rule, buckets, [_flat_like(b) for b in buckets], targets,
+                kind = _Kind(rule, buckets, [_flat_like(rule, b) for b in buckets], targets,
                              [[name_of[id(t)] for t in part] for part in targets])
                 if rule == "sum":
                     kind.sub = [torch.zeros_like(f) for f in kind.flats]
-                    kind.add = [torch.zeros_like(f) for f in kind.flats]
-                    for sub, add, part, names in zip(kind.sub, kind.add, targets, kind.names):
-                        base = [bases.get(n, t) for n, t in zip(names, part)]
-                        if not counts_from_src:
-                            torch_compat.copy_all(_views(sub, part), base)
-                        if not first:
-                            torch_compat.copy_all(_views(add, part), base)
                 self.kinds.append(kind)
-        self.broadcast = next((k for k in self.kinds if k.rule == "broadcast"), None)
-        # the check: [failed flag per member, changed flag per member] all-reduced before the BatchNorm sums (or
-        # alone), unless the plan only broadcasts: then the source's [failed, digest] rides in its last bucket's tail
-        self.reduced_check = bool(plan.bns) or self.broadcast is None or len(self.kinds) > 1
-        self.head: torch.Tensor | None = None  # the last broadcast bucket's bytes plus 16
-        self.tail = torch.zeros(2, dtype=torch.int64)
-        if not self.reduced_check and self.broadcast is not None:  # broadcast only: receivers pack nothing
-            last = self.broadcast
-            j = len(last.flats) - 1
-            size = last.flats[j].numel() * last.flats[j].element_size()
-            padded = -(-size // 8) * 8
-            self.head = torch.zeros(padded + 16, dtype=torch.uint8, device=last.buckets[j].device)
-            last.rebind(j, self.head[:size].view(last.flats[j].dtype))
-            self.tail = self.head[padded:].view(torch.int64)
-        self.counted = [bn for bn in plan.bns if bn.count is not None]
-        self.count_names = [name for bn in self.counted for name, t in bn.entries() if t is bn.count]
         self.layout = bn_average.layout(plan.bns, g.device, untracked=True)  # kept: the plan's tensors are checked
+        self.repeated: bn_average.Repeated | None = None  # set by begin()
         self.width = 2 * g.size  # the check: [failed flag per member, changed flag per member]
         self.combined = torch.zeros(self.width + self.layout.numel, dtype=torch.float64, device=g.device)
         self.check = torch.zeros(self.width, dtype=torch.float64)  # the check, on the host
-        base_counts = [float(bases.get(n, bn.count)) for n, bn in zip(self.count_names, self.counted)]  # type: ignore
-        self.bn_sub = torch.tensor([0.0] * len(base_counts) if counts_from_src else base_counts, dtype=torch.float64)
-        self.bn_add = torch.tensor([0.0] * len(base_counts) if first else base_counts, dtype=torch.float64)
+        self.extras: list[int] = []  # every member's extra value in the agreement (the first sync: its start digest)
 
-    def bases(self) -> dict[str, torch.Tensor]:
-        """By name, what the last sync left of the "sum" buffers and BatchNorm counters (for a new agreement)."""
-        out: dict[str, torch.Tensor] = {}
+    @property
+    def source(self) -> bool:
+        return self.g.me == self.src
+
+    def begin(self, carry: _Carry, shared: dict[str, bool] | None = None,
+              at_start: dict[str, torch.Tensor] | None = None) -> None:
+        """Set the bases: from ``carry`` (a former agreement), or at the first sync from what every rank held when the
+        handle was made (``at_start``, by name), counted once where ``shared`` (by "sum" buffer and BatchNorm layer
+        name) says every rank held the same."""
+        shared = shared or {}
         for kind in self.kinds:
-            if kind.add is not None:
-                for add, part, names in zip(kind.add, kind.targets, kind.names):
-                    out.update({n: v.clone() for n, v in zip(names, _views(add, part))})
-        out.update({n: torch.tensor(v) for n, v in zip(self.count_names, self.bn_add.tolist())})
-        return out
+            if kind.sub is None:
+                continue
+            for sub, part, names in zip(kind.sub, kind.targets, kind.names):
+                if self.source:
+                    continue  # the source contributes its whole value: the shared part enters once, through it
+                base = [carry.sums[n] if n in carry.sums else
+                        at_start[n] if at_start is not None and shared.get(n) and n in at_start else torch.zeros_like(t)
+                        for n, t in zip(names, part)]
+                torch_compat.copy_all(_views(sub, part), base)
+        lay = self.layout
+        if not lay.bns:
+            self.repeated = None
+            return
+        device = self.g.device
+        flags = torch.tensor([bool(shared.get(bn.name)) for bn in lay.bns], dtype=torch.bool, device=device)
+        start = None
+        if at_start is not None:
+            start = _layer_stats(lay, at_start, device)
+        self.repeated = bn_average.Repeated.start(lay, device, self.source, flags, start)
+        self.repeated.carry(carry.bns)
+
+    def carry(self) -> _Carry:
+        """The bases the last sync left, by name, for the next agreement (see :class:`_Carry`)."""
+        sums: dict[str, torch.Tensor] = {}
+        for kind in self.kinds:
+            if kind.sub is not None and not self.source:
+                for sub, part, names in zip(kind.sub, kind.targets, kind.names):
+                    sums.update({n: v.clone() for n, v in zip(names, _views(sub, part))})
+        return _Carry(sums, self.repeated.by_layer() if self.repeated is not None else {})
 
     def current(self) -> bool:
-        """Whether the model still has the very tensors the plan was made from, where they were, over the same
-        memory (``buf.data = ...`` swaps it under the same tensor), and no buffer or submodule more: a cheap local
-        check, three C-level passes over lists."""
-        return all(map(operator.is_, map(dict.get, self.tables, self.keys), self.tensors)) and \
-            list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs and list(map(len, self.dicts)) == self.sizes
+        """Whether the model still is what the plan was made from ([Note: steady state], step 1): every module under
+        its parent by the same key, the same buffer and submodule tables, every synced tensor where it was over the
+        same memory (``buf.data = ...`` swaps it under the same tensor), no buffer or submodule more."""
+        return all(map(operator.is_, map(dict.get, self.link_dicts, self.link_keys), self.children)) and \
+            all(map(operator.is_, map(_BUFFERS, self.modules), self.buffer_dicts)) and \
+            all(map(operator.is_, map(_CHILDREN, self.modules), self.child_dicts)) and \
+            all(map(operator.is_, map(dict.get, self.tables, self.keys), self.tensors)) and \
+            list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs and \
+            list(map(len, self.buffer_dicts + self.child_dicts)) == self.sizes
+
+
+def _layer_stats(lay: bn_average.Layout, values: dict[str, torch.Tensor], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counter per layer, mean, var per channel) in float64 from ``values`` by qualified name, as Layout.read gives
+    them (zeros for a layer ``values`` does not hold)."""
+    n, means, vars_ = [], [], []
+    for bn, channels in zip(lay.bns, lay.channels):
+        got = [values.get(k) for k, _ in bn.entries()]
+        if any(v is None for v in got):
+            n.append(0.0)
+            means.append(torch.zeros(channels, dtype=torch.float64, device=device))
+            vars_.append(torch.zeros(channels, dtype=torch.float64, device=device))
+            continue
+        n.append(float(got[2]) if len(got) == 3 else 1.0)  # type: ignore[arg-type]
+        means.append(got[0].reshape(-1).to(device, torch.float64))  # type: ignore[union-attr]
+        vars_.append(got[1].reshape(-1).to(device, torch.float64))  # type: ignore[union-attr]
+    return torch.tensor(n, dtype=torch.float64, device=device), torch.cat(means), torch.cat(vars_)
 
 
 class KeepInSync:
@@ -200,7 +246,7 @@ class KeepInSync:
 
     def __init__(self, target: Any, module: nn.Module, plan: rules_mod.Plan, declared: tuple[Any, bool, str],
                  g: _group.Group | None, src: int, every: int, seconds: float | None, engine: bool,
-                 start: Start = "installed"):
+                 start: Start = "installed", identical_warning: str | None = None):
         self.target, self.module, self.plan, self.g, self.src = target, module, plan, g, src
         self._declared = declared  # (rules, strict, BatchNorm default) as passed: every re-resolve uses them
         self.every, self.seconds = every, seconds
@@ -208,11 +254,13 @@ class KeepInSync:
         self._ticks = 0
         self._steady: _Steady | None = None
         self._last: _Steady | None = None  # the last agreement that synced: its bases carry over to the next one
-        # what the first sync counts (see Start): only "installed" treats the source apart
-        self._source_whole = start == "installed"
-        counters = {id(bn.count) for bn in plan.bns if bn.count is not None}
-        self._start = {a.name: torch.zeros_like(a.tensor) if start == "zero" else a.tensor.detach().clone()
-                       for a in plan.assigned if a.rule == "sum" or id(a.tensor) in counters}
+        self._start = start
+        self._identical_warning = identical_warning  # start="zero": warn (this name) if every rank holds the same BN
+        # what every rank holds now, by name: the "sum" buffers and BatchNorm statistics (start="installed" compares
+        # them across ranks at the first sync)
+        stats = {id(t) for bn in plan.bns for _, t in bn.entries()}
+        self._at_start = {a.name: a.tensor.detach().clone() for a in plan.assigned
+                          if start == "installed" and (a.rule == "sum" or id(a.tensor) in stats)}
         self._undo: Callable[[], None]
         if engine:
             original = target.step
@@ -236,11 +284,6 @@ class KeepInSync:
         rules, strict, bn_default = self._declared
         return rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default)
 
-    @property
-    def _first(self) -> bool:
-        """Whether the next sync is the first and counts the source's whole value (``start="installed"``)."""
-        return self._last is None and self._source_whole
-
     def _tick(self) -> None:
         self._ticks += 1
         if self._ticks % self.every == 0:
@@ -252,42 +295,89 @@ class KeepInSync:
             return
         g, deadline = self.g, _wire.Deadline(self.seconds)
         steady = self._steady
+        failure: BaseException | None = None
+        agreed_now = steady is None
         if steady is None:  # an agreement (the first sync, or after a change every rank saw): named differences
+            steady = self._agree(g, deadline)
             try:
-                plan = self._resolve()
-                steady = _Steady(g, plan, self.src, self._last.bases() if self._last else self._start, self._first)
-            except Exception as e:  # this rank's model no longer takes its rules: every rank learns it here
-                try:
-                    _structure.agree(g, (_FN, "could not plan its buffers here", f"{type(e).__name__}: {e}"), [],
-                                     deadline, _FN)
-                except BufferStructureError as mismatch:
-                    raise mismatch from e
-                raise  # every rank failed alike
-            _structure.agree(g, steady.call, plan.synced(), deadline, _FN)
-            problem = _transaction.unsendable(g, plan.synced(), _FN)
-            if problem is not None:
-                raise problem
+                self._begin(steady, g, deadline)
+            except BaseException as e:  # noqa: BLE001 - voted in the check below: every rank raises
+                failure = e
             self._steady = steady
-            self.plan = plan
+            self.plan = steady.plan
         announce, cause = steady.digest, None
-        if not steady.current():  # tensors were replaced here: the same structure carries on with them
+        if failure is None and not steady.current():  # replaced here: the same structure carries on with them
             try:
                 plan = self._resolve()
                 announce = _structure.digest(_call(self.src, plan), plan.synced())
                 if announce == steady.digest:  # else a new structure: this sync still runs the agreed collectives,
-                    self._steady = steady = _Steady(g, plan, self.src, steady.bases(), self._first)  # writing nothing
-            except Exception as e:  # noqa: BLE001 - announced as a change: every rank that can tell raises
+                    again = _Steady(g, plan, self.src)  # and every rank raises after the check, writing nothing
+                    again.begin(steady.carry())
+                    self._steady = steady = again
+            except Exception as e:  # noqa: BLE001 - announced as a change: every rank raises
                 announce, cause = steady.digest ^ 1, e
         try:
-            _sync(steady, self.src, deadline, announce)
+            _sync(steady, deadline, announce, failure)
         except _Changed as e:
-            if e.everyone:
-                self._steady = None  # every rank raised: the next sync agrees again, naming the difference
+            self._steady = None  # every rank raised: the next sync agrees again, naming the difference
             if cause is not None:
                 raise e from cause
             raise
+        except SyncAbortedError:
+            if agreed_now:  # every rank aborted this agreement's first sync: the next one agrees again
+                self._steady = None
+            raise
         self._last = steady
         self.syncs += 1
+
+    def _agree(self, g: _group.Group, deadline: _wire.Deadline) -> _Steady:
+        """Resolve the rules and agree on the structure (one all_gather; differences named on every rank); a rank
+        whose model no longer takes its rules joins the agreement with its error, so every rank raises."""
+        try:
+            plan = self._resolve()
+            steady = _Steady(g, plan, self.src)
+        except Exception as e:  # this rank's model no longer takes its rules: every rank learns it here
+            try:
+                _structure.agree(g, (_FN, "could not plan its buffers here", f"{type(e).__name__}: {e}"), [],
+                                 deadline, _FN)
+            except BufferStructureError as mismatch:
+                raise mismatch from e
+            raise  # every rank failed alike
+        first = self._last is None
+        extra = _start_digest(steady, self._at_start if self._start == "installed" else None) if first else 0
+        votes = _structure.agree(g, steady.call, plan.synced(), deadline, _FN, extra=extra)
+        problem = _transaction.unsendable(g, plan.synced(), _FN)
+        if problem is not None:
+            raise problem
+        steady.extras = [e for _, e in votes]
+        return steady
+
+    def _begin(self, steady: _Steady, g: _group.Group, deadline: _wire.Deadline) -> None:
+        """The bases of a new agreement: carried over from the last one, or at the first sync decided from what the
+        ranks held at the start. Whether that costs a collective (one small all-reduce, when the ranks' start digests
+        differ) is decided from the agreement's values alone, the same on every rank."""
+        if self._last is not None:
+            steady.begin(self._last.carry())
+            return
+        extras = steady.extras
+        if self._start == "zero":
+            steady.begin(_Carry({}, {}))
+            if self._identical_warning and len(set(extras)) == 1 and extras[0] not in (0, 1) and _counted(steady):
+                bn_average.warn_identical(self._identical_warning)
+            return
+        names = _start_names(steady)
+        if len(set(extras)) == 1:  # every rank held the same at the start: all of it is shared
+            shared = dict.fromkeys(names, True)
+        else:
+            local: BaseException | None = None
+            try:
+                digests = _start_digests(steady, self._at_start)
+            except BaseException as e:  # noqa: BLE001 - still meets the others in the all-reduce, then raises
+                digests, local = [g.rank + 1] * len(names), e
+            shared = _shared(g, names, digests, deadline)
+            if local is not None:
+                raise local
+        steady.begin(_Carry({}, {}), shared, self._at_start)
 
     def remove(self) -> None:
         """Stop syncing (idempotent)."""
@@ -304,48 +394,90 @@ class KeepInSync:
         self.remove()
 
 
+def _start_names(s: _Steady) -> list[str]:
+    """The names whose start is compared: every "sum" buffer, then every BatchNorm layer, in plan order."""
+    return [n for kind in s.kinds if kind.sub is not None for part in kind.names for n in part] + \
+        [bn.name for bn in s.layout.bns]
+
+
+def _start_digests(s: _Steady, at_start: dict[str, torch.Tensor]) -> list[int]:
+    """Per name of :func:`_start_names`, the digest of what this rank held at the start (0 for what it did not have
+    then: added since, it is never shared)."""
+    def one(names: list[str]) -> int:
+        if not all(n in at_start for n in names):
+            return 0
+        return _digest.combined([at_start[n] for n in names]) or 1
+    out = [one([n]) for kind in s.kinds if kind.sub is not None for part in kind.names for n in part]
+    return out + [one([k for k, _ in bn.entries()]) for bn in s.layout.bns]
+
+
+def _counted(s: _Steady) -> bool:
+    """Whether some BatchNorm layer of the plan has counted a batch here."""
+    lay = s.layout
+    return bool(lay.bns) and bool((lay.read(s.g.device)[0] * lay.has_count).sum() > 0)
+
+
+def _start_digest(s: _Steady, at_start: dict[str, torch.Tensor] | None) -> int:
+    """One digest of the start (``at_start``, or with None the BatchNorm statistics now) for the first agreement:
+    equal on every rank exactly when every rank held the same; 0 with nothing to compare, 1 when unreadable."""
+    try:
+        if at_start is None:
+            return bn_average.stats_digest(s.g, [e for bn in s.layout.bns for e in bn.entries()], _FN)
+        if not at_start:
+            return 0
+        return _structure.digest_bytes(repr(_start_digests(s, at_start)).encode()) or 1
+    except (RuntimeError, KeyError, TypeError, ValueError):
+        return 1
+
+
+def _shared(g: _group.Group, names: list[str], digests: list[int], deadline: _wire.Deadline) -> dict[str, bool]:
+    """By name, whether every rank's digest is the same: one all-reduce (MAX) of [d, ~d] (~max(~d) is min(d))."""
+    if not names:
+        return {}
+    mine = torch.tensor(digests + [~d for d in digests], dtype=torch.int64, device=g.device)
+    _wire.all_reduce(g, mine, deadline, _FN, op=dist.ReduceOp.MAX)
+    top = mine.tolist()
+    k = len(digests)
+    return {n: top[i] == ~top[k + i] and top[i] != 0 for i, n in enumerate(names)}
+
+
 def _call(src: int, plan: rules_mod.Plan) -> tuple:
     """What every rank's call must agree on besides the buffers: the source and each buffer's rule."""
     return (_FN, src, plan.signature)
 
 
 class _Changed(BufferStructureError):
-    """The structure changed on some ranks (``ranks``, global, when known). ``everyone``: every rank raised it (then
-    every rank agrees again at the next sync, naming the difference); else only this rank knows (a receiver whose own
-    buffers changed, when only the source's check travels), and it keeps running the agreed collectives, raising
-    each time, while the others sync."""
+    """The structure changed on some ranks (``ranks``, global): every rank raised it, and every rank agrees again at
+    the next sync, naming the difference."""
 
-    def __init__(self, everyone: bool, ranks: tuple[int, ...] = ()):
-        where = (("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))) if ranks else "some ranks"
-        super().__init__(f"{_FN}(): the model's buffers (or rules) changed since the last sync on {where}"
-                         + ("; the next sync names the difference" if everyone else " (here, not on the source)")
-                         + ". No buffer was modified here")
-        self.everyone, self.ranks = everyone, ranks
+    def __init__(self, ranks: tuple[int, ...]):
+        where = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+        super().__init__(f"{_FN}(): the model's buffers, submodules or rules changed since the last sync on {where}; "
+                         "the next sync names the difference. No buffer was modified")
+        self.ranks = ranks
 
 
-def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
-    """One steady-state sync (module docstring): pack, the check (riding on the BatchNorm all-reduce, or alone, or
-    in the source's last broadcast bucket), the kinds' collectives, writes. ``announce``: the structure digest this
-    rank has now (when it is not the agreed one, every rank raises after the check's all-reduce, before the kinds'
-    collectives; in a broadcast-only plan a receiver's own change raises there alone, after the broadcasts)."""
-    if not s.reduced_check:
-        _sync_broadcast(s, src, deadline, announce)
-        return
+def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseException | None = None) -> None:
+    """One steady-state sync ([Note: steady state], steps 2-5). ``announce``: the structure digest this rank has now
+    (when it is not the agreed one, every rank raises after the check, before the kinds' collectives); ``failure``:
+    this rank already knows it cannot take part (it votes so, and every rank raises)."""
     g = s.g
-    source = g.me == src
+    source = s.source
     width, combined, check = s.width, s.combined, s.check
     check.zero_()
     check[g.size + g.me] = float(announce != s.digest)
-    failure: BaseException | None = None
-    try:  # in place into space kept since the agreement: nothing here allocates what the failure path needs
-        combined[:width].copy_(check)
-        bn_average._pack(s.plan.bns, g.device, s.bn_sub, lay=s.layout, out=combined[width:])
-        for kind in s.kinds:
-            if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
-                for i in range(len(kind.flats)):
-                    kind.pack(i)
-    except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
-        failure = e
+    bns = s.plan.bns
+    if failure is None:
+        try:  # in place into space kept since the agreement: nothing here allocates what the failure path needs
+            combined[:width].copy_(check)
+            bn_average._pack(bns, g.device, lay=s.layout, out=combined[width:], repeated=s.repeated)
+            for kind in s.kinds:
+                if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
+                    for i in range(len(kind.flats)):
+                        kind.pack(i)
+        except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
+            failure = e
+    if failure is not None:
         check[g.me] = 1.0
         combined.zero_()
         combined[:width].copy_(check)
@@ -357,109 +489,60 @@ def _sync(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None
                                   "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
     changed = tuple(r for r, v in zip(g.ranks, values[g.size:]) if v)
     if changed:  # every rank sees it: none runs the kinds' collectives
-        raise _Changed(everyone=True, ranks=changed)
+        raise _Changed(changed)
     works = []
     for kind in s.kinds:
         for flat in kind.flats:
             if kind.rule == "broadcast":
-                works.append(dist.broadcast(_wire.wire_view(flat), src=g.global_rank(src), group=g.pg,
+                works.append(dist.broadcast(_wire.wire_view(flat), src=g.global_rank(s.src), group=g.pg,
                                             async_op=True))
             else:
                 works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
                                              async_op=True))
     _wire.wait(works, deadline, _FN)
     with torch.no_grad():  # every collective completed: write (no collective below)
-        if s.plan.bns:
-            s.bn_sub = s.bn_add = bn_average._write(s.plan.bns, combined[width:], s.bn_add, lay=s.layout).counts
+        if bns:
+            written = bn_average._write(bns, combined[width:], lay=s.layout)
+            assert s.repeated is not None
+            s.repeated.commit(written)
         for kind in s.kinds:
             if kind.rule == "broadcast" and source:
                 continue
             for i, flat in enumerate(kind.flats):
-                if kind.sub is not None and kind.add is not None:
-                    flat.add_(kind.add[i])
-                    kind.add[i].copy_(flat)
-                    kind.sub[i].copy_(flat)
+                if kind.sub is not None and not source:
+                    kind.sub[i].copy_(flat)  # what every rank holds now: subtracted at the next sync
                 if kind.rule == "mean":
                     flat.div_(g.size)  # scratch: packed again at the next sync
-                torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
-    _after(s)
-
-
-def _sync_broadcast(s: _Steady, src: int, deadline: _wire.Deadline, announce: int) -> None:
-    """The steady state of a plan that only broadcasts: the source packs each bucket and sends it at once (packing
-    the next while it travels), its [failed, digest] in the last bucket's tail; receivers pack nothing, wait for
-    every bucket, check the tail, then unpack."""
-    g, kind, head = s.g, s.broadcast, s.head
-    assert kind is not None and head is not None
-    root = g.global_rank(src)
-    last = len(kind.flats) - 1
-    works = []
-
-    def send(i: int) -> None:  # the last bucket travels with the source's check in its tail
-        works.append(dist.broadcast(head if i == last else _wire.wire_view(kind.flats[i]), src=root, group=g.pg,
-                                    async_op=True))
-    failed_text = f"{_FN}(): packing the buffers failed on the source, rank {root}; no buffer was modified"
-    if g.me == src:
-        failure: BaseException | None = None
-        for i in range(len(kind.flats)):
-            if failure is None:
-                try:
-                    kind.pack(i)
-                except BaseException as e:  # noqa: BLE001 - sent in the tail: every rank raises
-                    failure = e
-            if i == last:
-                s.tail[0], s.tail[1] = int(failure is not None), announce
-            send(i)
-        _wire.wait(works, deadline, _FN)
-        if failure is not None:
-            raise SyncAbortedError(failed_text, (root,), {}) from failure
-        if announce != s.digest:  # the source changed: every receiver raises too
-            raise _Changed(everyone=True, ranks=(root,))
-        _after(s)
-        return
-    for i in range(len(kind.flats)):
-        send(i)
-    _wire.wait(works, deadline, _FN)
-    failed, theirs = s.tail.tolist()
-    if failed:
-        raise SyncAbortedError(failed_text, (root,), {})
-    if theirs != s.digest:  # the source changed: it raises too, and so does every receiver
-        raise _Changed(everyone=True, ranks=(root,))
-    if announce != s.digest:  # only this receiver changed
-        raise _Changed(everyone=False, ranks=(g.ranks[g.me],))
-    with torch.no_grad():
-        for i in range(len(kind.flats)):
-            torch_compat.copy_all(kind.writes[i], kind.views[i], kind.buckets[i].dtype.is_complex)
-    _after(s)
-
-
-def _after(s: _Steady) -> None:
-    """The registered after_sync hooks, once every buffer is written."""
+                kind.unpack(i)
     for module, hook in s.plan.after:
         hook(module)
 
 
 def hookless(model: Any, policy: str | None, start: Start, **options: Any) -> KeepInSync:
     """A :class:`KeepInSync` whose caller decides when it syncs (a save hook, a trainer callback): no hook, the same
-    arithmetic; ``policy`` ``"broadcast"`` broadcasts BatchNorm statistics too. ``options``: keep_in_sync's."""
-    handle = keep_in_sync(model, _bn_default="broadcast" if policy == "broadcast" else "bn", _start=start, **options)
+    arithmetic; ``policy`` ``"broadcast"`` broadcasts BatchNorm statistics too. ``options``: keep_in_sync's, and
+    ``identical_warning``: with ``start="zero"``, the name to warn under when every rank already holds the same
+    BatchNorm statistics at the first sync (average_bn_stats' warning)."""
+    warning = options.pop("identical_warning", None)
+    handle = keep_in_sync(model, _bn_default="broadcast" if policy == "broadcast" else "bn", _start=start,
+                          _identical_warning=warning if policy != "broadcast" else None, **options)
     handle.remove()
     return handle
 
 
 def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules | None = None, src: int = 0,
                  group: Any = None, timeout: _args.Timeout = None, strict: bool = False,
-                 _bn_default: str = "bn", _start: Start = "installed") -> KeepInSync:
+                 _bn_default: str = "bn", _start: Start = "installed", _identical_warning: str | None = None
+                 ) -> KeepInSync:
     """Keep ``model_or_engine``'s buffers in sync during training, by their rules; returns a :class:`KeepInSync`.
 
     A DeepSpeed engine syncs after every ``every``-th optimizer step; a module (plain, FSDP2, DDP's inner
     module) before every ``every``-th train-mode forward (module docstring). ``rules`` as in
     :func:`sync_buffers` (default: BatchNorm statistics ``"bn"``, the rest ``"broadcast"`` from ``src``, or the
     rules classes registered); they are resolved and checked now, before any collective. Installing issues no
-    collective; the first sync agrees on the structure, every later one costs one collective per reduction kind
-    and bucket, plus the check: in the source's last bucket when every buffer is broadcast, in front of the
-    ``"bn"`` all-reduce when there is one, else one small all-reduce. ``timeout`` bounds each sync.
-    One handle per module at a time.
+    collective; the first sync agrees on the structure (and compares what the ranks hold now, to count shared history
+    once), every later one costs one small float64 all-reduce (the check, with the BatchNorm sums) plus one collective
+    per reduction kind and bucket. ``timeout`` bounds each sync. One handle per module at a time.
 
     Example::
 
@@ -488,4 +571,4 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     strict = _args.flag(strict, "strict", _FN)
     plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default)
     return KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine,
-                      _start)
+                      _start, _identical_warning)

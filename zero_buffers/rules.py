@@ -37,6 +37,16 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.R
 """The all-reduce of each element-wise rule ("mean" divides the sum afterwards)."""
 
 
+def wire_dtype(rule: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kind's bucket is reduced in: ``"mean"`` and ``"sum"`` of floats narrower than 32 bits in float64
+    (exact sums, one rounding when written back), bools as uint8, everything else as it is."""
+    if rule in ("mean", "sum") and dtype.is_floating_point and torch.finfo(dtype).bits < 32:
+        return torch.float64
+    if rule in ("mean", "sum") and dtype == torch.complex32:
+        return torch.complex128
+    return torch.uint8 if dtype == torch.bool else dtype
+
+
 @dataclass(frozen=True)
 class _Registered:
     rules: str | Mapping[str, str]
@@ -245,10 +255,11 @@ def _check_rule(name: str, t: torch.Tensor, rule: str, bn_stat: bool, source: st
                                    f"{rule!r} ({source}): {why}. No buffer was modified")
 
 
-def _flat(ts: list[torch.Tensor]) -> torch.Tensor:
-    """One bucket's tensors as a fresh flat tensor (bools as uint8: collectives do not reduce bools)."""
+def _flat(rule: str, ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One bucket's tensors as a fresh flat tensor on ``device`` in the dtype ``rule`` reduces it in
+    (:func:`wire_dtype`)."""
     flat = torch_compat.flatten([t.detach() for t in ts])
-    return flat.to(torch.uint8) if flat.dtype == torch.bool else flat
+    return flat.to(device, wire_dtype(rule, flat.dtype))
 
 
 def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, call: tuple = (),
@@ -265,7 +276,7 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
 
     def prepare() -> Any:
         space = _wire.send_space(broadcast, buckets) if source else _wire.receive_space(buckets)
-        flats = {rule: [_flat([tensors[rule][i] for i in b.indices]).to(g.device) for b in bs]
+        flats = {rule: [_flat(rule, [tensors[rule][i] for i in b.indices], g.device) for b in bs]
                  for rule, bs in reduced.items()}
         pack = bn_average._pack(plan.bns, g.device) if plan.bns and sums is None else None
         return space, flats, pack
