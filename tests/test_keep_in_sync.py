@@ -252,7 +252,7 @@ def test_keep_in_sync_survives_autograd_swapped_tensors_and_structure_changes(ra
         assert "changed since the last sync" in o["changed"] and "next sync names" in o["changed"]
         assert torch.equal(o["extra"], torch.zeros(2))  # agreed again, then broadcast from rank 0
         assert f"changed since the last sync on rank {world - 1};" in o["receiver_change"]  # on every rank, together
-        assert torch.equal(o["table"], torch.zeros(5) if r == world - 1 else torch.zeros(4))  # as the first sync left it
+        assert torch.equal(o["table"], torch.zeros(5) if r == world - 1 else torch.zeros(4))  # as the last sync left
 
 
 def _mixed_and_swapped(rank, world):
@@ -410,7 +410,7 @@ def _broadcast_rules_break(rank, world):
 def test_rules_that_stop_applying_on_a_receiver_or_the_source_of_a_broadcast_plan_stop_every_rank(ranks):
     out = ranks.run(_broadcast_rules_break, timeout=120)
     world = len(out)
-    for r, o in enumerate(out):
+    for o in out:
         first, second, table = o[world - 1]  # a receiver: every rank raises with it, then learns why
         assert f"changed since the last sync on rank {world - 1};" in first
         assert "could not plan its buffers here" in second and "matches no buffer of the model (strict=True)" in second
