@@ -345,9 +345,9 @@ def test_a_rank_failing_to_pack_makes_every_rank_raise_and_write_nothing(ranks):
     world = len(out)
     for o in out:
         for where in ("kind", "bn"):
-            assert f"packing the buffers failed on rank {world - 1}" in o[where], o[where]
+            assert f"packing or exchanging the buffers failed on rank {world - 1}" in o[where], o[where]
             assert f"simulated packing failure ({where})" in o[where] and o[f"{where}_unchanged"]
-        assert "packing the buffers failed on rank 0 (rank 0: RuntimeError: simulated on the source)" in o["source"]
+        assert "exchanging the buffers failed on rank 0 (rank 0: RuntimeError: simulated on the source)" in o["source"]
         assert o["source_unchanged"]
         assert all(bitwise_equal(b, out[0]["after"][n]) for n, b in o["after"].items())
         assert torch.equal(o["plain_after"]["table"], torch.full((4,), 1.0))

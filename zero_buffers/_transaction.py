@@ -1,22 +1,36 @@
 """The one transactional sync every tool uses: agree, prepare, exchange into scratch, vote, write.
 
-    1. Each rank checks its tensors can be sent and allocates what the exchange needs (receive space,
-       staging); a failure there, or one the caller already knows of (a body that raised), is a vote.
-    2. One all_gather of [structure digest, status, extra]: a structure mismatch raises
-       BufferStructureError everywhere; a failed vote raises SyncAbortedError everywhere. No data has
-       moved and nothing has been allocated on a rank that failed, so no rank waits on another.
-    3. The data collectives, into scratch only. Any exception other than a failed collective is caught
-       (BaseException, so KeyboardInterrupt too) and becomes this rank's vote.
-    4. One all_gather of the "received OK" votes; any failure raises SyncAbortedError everywhere.
-    5. Writes, with no further collective.
+[Note: the transaction]
+Every public function that changes buffers runs through :func:`commit` (keep_in_sync's steady state keeps the same
+phases in its own, leaner loop: [Note: steady state] in keep_in_sync.py). The phases, in order, and what each
+guarantees (:class:`Phase`):
 
-Every collective waits at most until the call's deadline. A peer that dies or stalls in step 3 or 4
-raises CollectiveError on the others with nothing written; a peer dying between 4 and 5 cannot stop
-the others (they have all the data). Nothing can make step 5 itself atomic across ranks; it only
-copies into tensors whose dtype, shape and device were agreed in step 2.
+    PREPARE   each rank alone: checks its tensors can be sent and written (meta, non-strided, quantized, inference
+              tensors; CPU tensors on nccl) and allocates what the exchange needs (receive space, staging). A
+              failure here, or one the caller already knows of (a body that raised), is this rank's vote.
+    AGREE     one all_gather of [structure digest, status, extra]: a structure mismatch raises BufferStructureError
+              on every rank, a failed vote SyncAbortedError on every rank. No data has moved.
+    EXCHANGE  the data collectives, into scratch only, and every value the writes will need computed into scratch
+              (merged statistics, means, dtype conversions). Every rank issues every collective even after a local
+              failure; any exception other than a failed collective (BaseException: KeyboardInterrupt too) is this
+              rank's vote.
+    RECEIVED  one all_gather of [failed]: any failure raises SyncAbortedError on every rank. Nothing was written.
+    WRITE     copies from scratch into tensors whose dtype, shape, device and writability were agreed and checked
+              before; nothing else runs here (no collective, no allocation of data, no user code).
+    AFTER     only where a call has post-write steps that can fail (``after_sync`` hooks of registered rules): they
+              run on every rank, one all_gather reports them, and any failure makes every rank put its buffers back
+              as they were before the call and raise SyncAbortedError.
+
+Every collective waits at most until the call's deadline. A peer that dies or stalls before RECEIVED raises
+CollectiveError on the others with nothing written; one dying between RECEIVED and WRITE cannot stop the others
+(they have all the data). WRITE is the one step that is not a vote: it only copies, so nothing but a device fault
+can interrupt it.
+
+[Note: rank convention] lives in _group.py.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,8 +46,26 @@ Failure = BaseException | str | None
 """Why this rank cannot go on: an exception, a sentence, or None."""
 
 
+class Phase(enum.Enum):
+    """The phases of a transaction, in order ([Note: the transaction] says what each guarantees)."""
+
+    PREPARE = "prepare"
+    AGREE = "agree"
+    EXCHANGE = "exchange"
+    RECEIVED = "received"
+    WRITE = "write"
+    AFTER = "after"
+
+
+def reached(phase: Phase, what: str) -> None:
+    """Every transaction calls this at the start of each fallible phase's work (PREPARE, EXCHANGE, AFTER), inside the
+    code whose failure that phase votes on. It does nothing; tests/core/test_faulty_rank.py replaces it on one rank
+    to raise there, which is how a failure on one rank is injected at every phase of every public function."""
+
+
 def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | None:
-    """The error for tensors no collective can carry (meta, non-strided, quantized; CPU tensors on nccl).
+    """The error for tensors no collective can carry or no write can change (meta, non-strided, inference, quantized;
+    CPU tensors on nccl).
     It depends on dtype, device and layout only, which structure agreement compares, so after agreeing
     every rank finds the same one."""
     distributed = [n for n, t in entries if torch_compat.is_dtensor(t)]
@@ -54,6 +86,11 @@ def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | Non
             f"{what}(): {len(odd)} tensor(s) have a {str(odd[0][1]).replace('torch.', '')} layout, e.g. "
             f"'{odd[0][0]}'; only dense (strided) tensors are supported: register t.to_dense() or pass "
             "ignore=(name,)")
+    frozen = [n for n, t in entries if t.is_inference() and not torch.is_inference_mode_enabled()]
+    if frozen:
+        return InvalidArgumentError(
+            f"{what}(): {len(frozen)} tensor(s) are inference tensors (made under torch.inference_mode()), e.g. "
+            f"'{frozen[0]}', which cannot be written outside it; clone them (t.clone()) into the module first")
     quant = [n for n, t in entries if t.is_quantized]
     if quant:
         return InvalidArgumentError(
@@ -95,15 +132,19 @@ def abort_if_any(g: Group, statuses: Sequence[int], failure: Failure, deadline: 
 
 def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Deadline, what: str, *,
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
-           failure: Failure = None, unchanged: str = "nothing was changed",
-           step: str = "a rank could not take part", digest: int | None = None, extra: int = 0) -> list[int]:
-    """Run steps 1-5 (module docstring) over ``entries``: ``prepare()`` allocates, ``exchange(space)`` issues
-    the collectives, ``apply(space)`` writes. ``failure`` aborts on every rank after the structure check, with
-    ``step`` saying what failed. ``extra`` rides along the first collective; returns every member's."""
+           compute: Callable[[Any], None] | None = None, failure: Failure = None,
+           unchanged: str = "nothing was changed", step: str = "a rank could not take part", digest: int | None = None,
+           extra: int = 0, after: Sequence[Callable[[], None]] = ()) -> list[int]:
+    """Run the phases ([Note: the transaction]) over ``entries``: ``prepare()`` allocates (PREPARE), ``exchange(space)``
+    issues every collective (even after a local failure, as :func:`_wire.broadcast` does) and ``compute(space)``
+    computes what will be written (EXCHANGE), ``apply(space)`` copies (WRITE), each of ``after`` runs then (AFTER; on
+    failure anywhere, every rank restores ``entries`` and raises). ``failure`` aborts on every rank after the structure
+    check, with ``step`` saying what failed. ``extra`` rides along the first collective; returns every member's."""
     problem = unsendable(g, entries, what)
     space = None
     if failure is None and problem is None:
         try:
+            reached(Phase.PREPARE, what)
             space = prepare()
         except BaseException as e:  # noqa: BLE001 - a vote; re-raised on every rank below
             failure = e
@@ -118,10 +159,40 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
         raise
     except BaseException as e:  # noqa: BLE001 - a vote
         failure = e
+    if failure is None:
+        try:
+            reached(Phase.EXCHANGE, what)
+            if compute is not None:
+                compute(space)
+        except BaseException as e:  # noqa: BLE001 - a vote
+            failure = e
     received = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
     abort_if_any(g, received, failure, deadline, what, "receiving failed", unchanged)
-    apply(space)
+    if after:
+        before = [t.detach().clone() for _, t in entries]  # taken only where a post-write step can fail
+        apply(space)
+        run_after(g, after, deadline, what, lambda: torch_compat.copy_all([t for _, t in entries], before))
+    else:
+        apply(space)
     return [e for _, e in votes]
+
+
+def run_after(g: Group, steps: Sequence[Callable[[], None]], deadline: _wire.Deadline, what: str,
+              restore: Callable[[], None]) -> None:
+    """The AFTER phase: run ``steps`` here, learn with one all_gather whether every rank's ran; if any failed, every
+    rank calls ``restore()`` (its buffers as before the call) and raises the same SyncAbortedError."""
+    failure: BaseException | None = None
+    try:
+        reached(Phase.AFTER, what)
+        for run in steps:
+            run()
+    except BaseException as e:  # noqa: BLE001 - reported to every rank below
+        failure = e
+    statuses = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
+    if any(statuses):
+        restore()
+    abort_if_any(g, statuses, failure, deadline, what, "an after_sync hook failed",
+                 "every rank's buffers were put back as they were before the call")
 
 
 def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadline: _wire.Deadline, what: str, *,

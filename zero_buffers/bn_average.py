@@ -51,7 +51,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
     _modules.fsdp_kinds(module, fn)  # a tree mixing FSDP1 and FSDP2 is refused here too
     bns = _modules.tracking_bn(module)
     entries = _modules.bn_stat_entries(bns)
-    merged: list[int] = []
+    merged: list[Merged] = []
 
     def prepare() -> torch.Tensor:
         return _pack(bns, g.device)
@@ -59,14 +59,18 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
     def exchange(sums: torch.Tensor) -> None:
         _wire.all_reduce(g, sums, deadline, fn)
 
-    def apply(sums: torch.Tensor) -> None:
-        merged.append(sum(total > 0 for total in _write(bns, sums).totals))
+    def compute(sums: torch.Tensor) -> None:
+        merged.append(merge(bns, sums))
 
-    contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=apply,
-                                   extra=stats_digest(g, entries, fn))
-    if merged[0] and len(set(contents)) == 1 and contents[0] != 0:
+    def write(_: torch.Tensor) -> None:
+        apply(merged[0])
+
+    contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=write,
+                                   compute=compute, extra=stats_digest(g, entries, fn))
+    layers = sum(total > 0 for total in merged[0].totals)
+    if layers and len(set(contents)) == 1 and contents[0] != 0:
         warn_identical(fn)
-    return merged[0]
+    return layers
 
 
 def stats_digest(g: _group.Group, entries: list[tuple[str, torch.Tensor]], fn: str) -> int:
@@ -210,21 +214,26 @@ def _pack(bns: list[_modules.BatchNorm], device: torch.device, lay: Layout | Non
     return out
 
 
-class Written(NamedTuple):
-    """What :func:`_write` did: every layer's total weight (0: no rank contributed, and it was left alone) and its
-    counter afterwards (float64 on the sums' device; a layer without a counter or left alone: its value before)."""
+class Merged(NamedTuple):
+    """What :func:`merge` computed and :func:`apply` writes: every layer's total weight (0: no rank contributed, and
+    it is left alone), its counter afterwards (float64 on the sums' device; a layer without a counter or left
+    alone: its value before), and the copies to make."""
 
     totals: list[float]
     counts: torch.Tensor
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+    counters: list[torch.Tensor]
+    values: list[torch.Tensor]
 
 
-def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = False,
-           lay: Layout | None = None) -> Written:
-    """Write the merged statistics (identical on every rank: the same all-reduced sums, [Note: the BatchNorm sums]).
-    Everything is computed first and the copies come last, so a failure while computing writes nothing. Counters
-    saturate at their dtype's largest value. ``untracked`` as in :func:`layout` (``lay`` made with it wins)."""
+def merge(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = False,
+          lay: Layout | None = None) -> Merged:
+    """The merged statistics from the all-reduced sums ([Note: the BatchNorm sums]), identical on every rank, computed
+    into the layout's float64 space; nothing is written. Counters saturate at their dtype's largest value.
+    ``untracked`` as in :func:`layout` (``lay`` made with it wins)."""
     if not bns:
-        return Written([], torch.zeros(0, dtype=torch.float64))
+        return Merged([], torch.zeros(0, dtype=torch.float64), [], [], [], [])
     lay = layout(bns, sums.device, untracked) if lay is None else lay
     L = lay.layers
     w, _, first, second = lay.parts(sums)
@@ -242,19 +251,32 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = 
             dst = [lay.means[i] for i in keep] + [lay.vars[i] for i in keep]
             src = [lay.mean_views[i] for i in keep] + [lay.var_views[i] for i in keep]
         after = lay.read(sums.device)[0].tolist() if len(keep) < L else [0.0] * L  # left alone: as they were
-        written, values = [], []
+        counters, values = [], []
         for k, (i, most) in enumerate(zip(lay.counted, lay.maxima)):
             if totals[i] > 0:  # saturating: merging again and again (every step) must not overflow mid-write
-                written.append(lay.counts[k])
+                counters.append(lay.counts[k])
                 values.append(min(max(round(adds[i]), 0), most))
                 after[i] = float(values[-1])
-        counts = list(torch.tensor(values, dtype=torch.int64).unbind()) if written else []
+        counts = list(torch.tensor(values, dtype=torch.int64).unbind()) if counters else []
         state = torch.tensor(after, dtype=torch.float64, device=sums.device)
-        if keep:  # every value is ready: the writes
-            torch_compat.copy_all(dst, src, False)
-        if written:
-            torch_compat.copy_all(written, counts, False)
-    return Written(totals, state)
+    return Merged(totals, state, dst, src, counters, counts)
+
+
+def apply(m: Merged) -> None:
+    """The copies :func:`merge` prepared (no allocation, no collective)."""
+    with torch.no_grad():
+        if m.dst:
+            torch_compat.copy_all(m.dst, m.src, False)
+        if m.counters:
+            torch_compat.copy_all(m.counters, m.values, False)
+
+
+def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = False,
+           lay: Layout | None = None) -> Merged:
+    """:func:`merge` then :func:`apply`."""
+    merged = merge(bns, sums, untracked, lay)
+    apply(merged)
+    return merged
 
 
 # [Note: repeated merges]
@@ -353,7 +375,7 @@ class Repeated:
         torch.mul(k + (last_n if self.source else 0.0), lay.has_count, out=c)
         self._pending = (acc_k, acc_a, acc_v, origin)
 
-    def commit(self, written: Written) -> None:
+    def commit(self, written: Merged) -> None:
         """The merge was written: take up what :meth:`contribute` computed, and what the merge left."""
         assert self._pending is not None
         self.acc_k, self.acc_a, self.acc_v, self.origin = self._pending

@@ -6,7 +6,7 @@ import functools
 import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -409,9 +409,18 @@ class _Runner:
                 bar.update(1)
 
 
-def write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
-    """Write population statistics (identical on every rank: computed from the same all-reduced sums)."""
-    written, offset = 0, 0
+class Recomputed(NamedTuple):
+    """What :func:`compute` prepared and :func:`apply` copies: the layers written, (destination, value) pairs."""
+
+    layers: int
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def compute(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> Recomputed:
+    """The population statistics from the all-reduced sums (identical on every rank), each already in its
+    destination's dtype and device; nothing is written. Layers no rank reached keep their statistics."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    offset, layers = 0, 0
     with torch.no_grad():
         for bn in bns:
             c = bn.mean.numel()
@@ -426,9 +435,20 @@ def write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
             else:
                 mean = s1 / n
                 var = ((s2 - n * mean * mean) / (n - 1)).clamp_min(0)
-            bn.mean.copy_(mean.to(bn.mean.device, bn.mean.dtype))
-            bn.var.copy_(var.to(bn.var.device, bn.var.dtype))
+            out += [(bn.mean, mean.to(bn.mean.device, bn.mean.dtype)), (bn.var, var.to(bn.var.device, bn.var.dtype))]
             if bn.count is not None:
-                bn.count.fill_(max(1, round(calls / world)))
-            written += 1
-    return written
+                out.append((bn.count, torch.full_like(bn.count, max(1, round(calls / world)))))
+            layers += 1
+    return Recomputed(layers, out)
+
+
+def apply(values: Recomputed) -> int:
+    """Copy what :func:`compute` prepared; returns the number of layers written."""
+    if values.pairs:
+        torch_compat.copy_all([d for d, _ in values.pairs], [v for _, v in values.pairs])
+    return values.layers
+
+
+def write(bns: list[_modules.BatchNorm], sums: torch.Tensor, world: int) -> int:
+    """Write population statistics (identical on every rank: computed from the same all-reduced sums)."""
+    return apply(compute(bns, sums, world))

@@ -135,18 +135,26 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
             _wire.all_reduce(g, pack, deadline, fn)
         _wire.broadcast(g, others, buckets, src, space, deadline, fn)
 
-    def apply(prepared: Any) -> None:
+    ready: list[Callable[[], Any]] = []  # the copies, prepared by compute()
+
+    def compute(prepared: Any) -> None:
         space, pack = prepared
         if pack is not None:
-            bn_average._write(bns, pack)
+            merged = bn_average.merge(bns, pack)
+            ready.append(lambda: bn_average.apply(merged))
         elif sums is not None:
-            bn_recompute.write(*sums)
+            recomputed = bn_recompute.compute(*sums)
+            ready.append(lambda: bn_recompute.apply(recomputed))
         if not source:
-            _wire.write(others, buckets, space)
+            ready.append(lambda: _wire.write(others, buckets, space))
+
+    def apply(_: Any) -> None:
+        for copy in ready:
+            copy()
 
     content = bn_average.stats_digest(g, [e for bn in bns for e in bn.entries()], fn) if policy == "average" else 0
     contents = _transaction.commit(g, (fn, policy, src), entries, deadline, fn, prepare=prepare, exchange=exchange,
-                                   apply=apply, extra=content)
+                                   compute=compute, apply=apply, extra=content)
     if policy == "average" and len(set(contents)) == 1 and contents[0] != 0:
         bn_average.warn_identical(f"{fn}(policy='average')")
     return len(entries)

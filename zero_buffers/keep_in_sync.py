@@ -12,20 +12,23 @@ The structure is agreed once, at the first sync (one small all_gather naming any
 1. checks locally that the model still is what the plan was made from (:meth:`_Steady.current`: the very module
    objects under their parents, the very buffer tensors under their modules, over the same memory, no buffer or
    submodule more; C-level passes over kept lists). Tensors or modules replaced by ones of the same structure, on
-   every rank or one, are taken up; a different structure is *announced*, not acted on alone;
-2. packs every reduced kind (and, on the source, every broadcast bucket) into flat tensors kept between calls;
-3. all-reduces ``[failed flag per member, changed flag per member]`` together with the BatchNorm sums
-   ([Note: the BatchNorm sums] in bn_average.py): one collective. Any flag set: every rank raises the same error
-   after it, before any data collective, and writes nothing (a changed structure: the next sync agrees again, naming
-   the difference);
-4. one collective per reduction kind and bucket (int64 stays int64; 16-bit floats are reduced in float64 and
-   rounded once);
-5. writes, with no further collective, then runs the ``after_sync`` hooks.
+   every rank or one, are taken up; a different structure is *announced*, not acted on alone (PREPARE);
+2. packs every reduced kind (and, on the source, every broadcast bucket) into flat tensors kept between calls, and
+   its BatchNorm contribution ([Note: the BatchNorm sums] in bn_average.py) into the check's tensor (PREPARE);
+3. one collective per reduction kind and bucket, into those flats (int64 stays int64; 16-bit floats are reduced in
+   float64 and rounded once). Every rank issues all of them whatever it found in steps 1-2 (EXCHANGE);
+4. all-reduces ``[failed flag per member, changed flag per member]`` together with the BatchNorm sums: the vote.
+   Any flag set: every rank raises the same error, having written nothing (a changed structure: the next sync
+   agrees again, naming the difference) (RECEIVED);
+5. writes: the BatchNorm merge from the reduced sums (small per-channel temporaries) and one fused copy per bucket;
+   no collective, no user code (WRITE);
+6. only where registered rules have ``after_sync`` hooks: runs them, and one all_gather makes a hook that failed on
+   any rank put every rank's buffers back and raise on every rank (AFTER).
 
-Every rank reaches the same collectives in the same order whatever its local state: a rank whose model changed, or
-that fails to pack, still runs step 3 and raises with the others. The buffers stay ordinary tensors with their own
-memory (views into the buckets would save both copies, but Accelerate's ``save_model`` keeps one tensor per shared
-storage and drops the rest from the checkpoint).
+The phases are those of [Note: the transaction] (_transaction.py), with the vote moved after the data: one
+collective fewer than a separate receive vote. The buffers stay ordinary tensors with their own memory (views into
+the buckets would save both copies, but Accelerate's ``save_model`` keeps one tensor per shared storage and drops the
+rest from the checkpoint).
 
 Repeated syncs count nothing twice: ``"bn"`` as [Note: repeated merges] (bn_average.py) says; ``"sum"`` adds what
 each rank added since the last sync, and the value every rank held then enters once, through the source. At the
@@ -459,8 +462,8 @@ class _Changed(BufferStructureError):
 
 def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseException | None = None) -> None:
     """One steady-state sync ([Note: steady state], steps 2-5). ``announce``: the structure digest this rank has now
-    (when it is not the agreed one, every rank raises after the check, before the kinds' collectives); ``failure``:
-    this rank already knows it cannot take part (it votes so, and every rank raises)."""
+    (when it is not the agreed one, every rank raises after the check, having written nothing); ``failure``: this rank
+    already knows it cannot take part (it votes so, and every rank raises)."""
     g = s.g
     source = s.source
     width, combined, check = s.width, s.combined, s.check
@@ -469,28 +472,15 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
     bns = s.plan.bns
     if failure is None:
         try:  # in place into space kept since the agreement: nothing here allocates what the failure path needs
-            combined[:width].copy_(check)
+            _transaction.reached(_transaction.Phase.PREPARE, _FN)
             bn_average._pack(bns, g.device, lay=s.layout, out=combined[width:], repeated=s.repeated)
             for kind in s.kinds:
                 if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
                     for i in range(len(kind.flats)):
                         kind.pack(i)
-        except BaseException as e:  # noqa: BLE001 - sent as this rank's flag: every rank raises
+        except BaseException as e:  # noqa: BLE001 - this rank's flag in the check: every rank raises
             failure = e
-    if failure is not None:
-        check[g.me] = 1.0
-        combined.zero_()
-        combined[:width].copy_(check)
-    _wire.all_reduce(g, combined, deadline, _FN)
-    check.copy_(combined[:width])
-    values = check.tolist()
-    if any(values[:g.size]):
-        _transaction.abort_if_any(g, [int(f) for f in values[:g.size]], failure, deadline, f"{_FN}()",
-                                  "packing the buffers failed", "no buffer was modified", error=SyncAbortedError)
-    changed = tuple(r for r, v in zip(g.ranks, values[g.size:]) if v)
-    if changed:  # every rank sees it: none runs the kinds' collectives
-        raise _Changed(changed)
-    works = []
+    works = []  # every rank issues every collective, whatever it found: the check comes last and decides
     for kind in s.kinds:
         for flat in kind.flats:
             if kind.rule == "broadcast":
@@ -500,22 +490,50 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
                 works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
                                              async_op=True))
     _wire.wait(works, deadline, _FN)
-    with torch.no_grad():  # every collective completed: write (no collective below)
-        if bns:
-            written = bn_average._write(bns, combined[width:], lay=s.layout)
-            assert s.repeated is not None
-            s.repeated.commit(written)
+    if failure is None:
+        try:
+            _transaction.reached(_transaction.Phase.EXCHANGE, _FN)
+        except BaseException as e:  # noqa: BLE001 - as above
+            failure = e
+    if failure is not None:
+        check[g.me] = 1.0
+        combined[width:].zero_()
+    combined[:width].copy_(check)
+    _wire.all_reduce(g, combined, deadline, _FN)  # the check, with the BatchNorm sums: the vote
+    check.copy_(combined[:width])
+    values = check.tolist()
+    if any(values[:g.size]):
+        _transaction.abort_if_any(g, [int(f) for f in values[:g.size]], failure, deadline, f"{_FN}()",
+                                  "packing or exchanging the buffers failed", "no buffer was modified",
+                                  error=SyncAbortedError)
+    changed = tuple(r for r, v in zip(g.ranks, values[g.size:]) if v)
+    if changed:  # every rank sees it, and none has written anything
+        raise _Changed(changed)
+    hooks = s.plan.after
+    before = [t.detach().clone() for _, t in s.plan.synced()] if hooks else []  # only where a hook can fail after
+    with torch.no_grad():  # every rank voted: write (no collective below, no user code)
+        merged = bn_average.merge(bns, combined[width:], lay=s.layout) if bns else None
+        if merged is not None:
+            bn_average.apply(merged)
         for kind in s.kinds:
             if kind.rule == "broadcast" and source:
                 continue
             for i, flat in enumerate(kind.flats):
-                if kind.sub is not None and not source:
-                    kind.sub[i].copy_(flat)  # what every rank holds now: subtracted at the next sync
                 if kind.rule == "mean":
                     flat.div_(g.size)  # scratch: packed again at the next sync
                 kind.unpack(i)
-    for module, hook in s.plan.after:
-        hook(module)
+    if hooks:
+        def restore() -> None:
+            torch_compat.copy_all([t for _, t in s.plan.synced()], before)
+        _transaction.run_after(g, [functools.partial(hook, module) for module, hook in hooks], deadline, f"{_FN}()",
+                               restore)
+    if merged is not None:  # the sync stands on every rank: its bases are taken up for the next one
+        assert s.repeated is not None
+        s.repeated.commit(merged)
+    for kind in s.kinds:
+        if kind.sub is not None and not source:
+            for i, flat in enumerate(kind.flats):
+                kind.sub[i].copy_(flat)  # what every rank holds now: subtracted at the next sync
 
 
 def hookless(model: Any, policy: str | None, start: Start, **options: Any) -> KeepInSync:

@@ -14,6 +14,7 @@ Rules: ``"broadcast"`` (from ``src``), ``"mean"``, ``"sum"``, ``"max"``, ``"min"
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -290,23 +291,29 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
                 _wire.all_reduce(g, flat, deadline, fn, op=REDUCE_OPS[rule])
         _wire.broadcast(g, broadcast, buckets, src, space, deadline, fn)
 
-    def write(prepared: Any) -> None:
+    ready: list[Callable[[], Any]] = []  # the copies, prepared by compute()
+
+    def compute(prepared: Any) -> None:
         space, flats, pack = prepared
         if pack is not None:
-            bn_average._write(plan.bns, pack)
+            merged = bn_average.merge(plan.bns, pack)
+            ready.append(lambda: bn_average.apply(merged))
         elif sums is not None:
-            bn_recompute.write(*sums)
+            recomputed = bn_recompute.compute(*sums)
+            ready.append(lambda: bn_recompute.apply(recomputed))
         for rule, parts in flats.items():
             for b, flat in zip(reduced[rule], parts):
                 ts = [tensors[rule][i] for i in b.indices]
-                if rule == "mean":
-                    flat = flat / g.size
-                torch_compat.unflatten_into(flat.to(ts[0].device, ts[0].dtype), ts)
+                value = (flat / g.size if rule == "mean" else flat).to(ts[0].device, ts[0].dtype)
+                ready.append(functools.partial(torch_compat.unflatten_into, value, ts))
         if not source:
-            _wire.write(broadcast, buckets, space)
+            ready.append(lambda: _wire.write(broadcast, buckets, space))
 
+    def write(_: Any) -> None:
+        for copy in ready:
+            copy()
+
+    after = [functools.partial(hook, module) for module, hook in plan.after]
     _transaction.commit(g, ("rules", src, plan.signature, *call), entries, deadline, fn, prepare=prepare,
-                        exchange=exchange, apply=write)
-    for module, hook in plan.after:
-        hook(module)
+                        exchange=exchange, compute=compute, apply=write, after=after)
     return len(entries)
