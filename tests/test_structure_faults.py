@@ -18,6 +18,7 @@ from tests.helpers import ERROR_PATH, bitwise_equal, check_table, logged_call, r
 
 DIGEST = ("all_gather", "torch.int64", 3)  # [structure digest, status, extra]: the first collective of every call
 DATA = ("broadcast", "all_reduce")
+VOTE = ("all_gather", "torch.int64", 1)  # [failed]: a vote on a local step
 
 
 class BNNet(nn.Module):
@@ -128,7 +129,9 @@ FNS = {
 }
 BN_ONLY = ("average_bn_stats", "recompute_bn_stats")  # agree on (and touch) BatchNorm statistics only
 # one agreement on enter (the ZeRO parameters: none here), then the buffers' own, before anything moves
-TWO_STEP = ("frozen_replica", "GatheredParametersAndBuffers")
+AGREEMENTS = {"frozen_replica": [DIGEST, VOTE, DIGEST], "GatheredParametersAndBuffers": [DIGEST, DIGEST]}
+"""The collectives before the one that finds a fault: frozen_replica agrees on what to gather, votes on converting,
+then agrees on what it sends; GatheredParametersAndBuffers agrees on enter and on exit. Every other call: one."""
 CHECKS = ("assert_buffers_in_sync", "sync_buffers(check)")  # the control's scrambled values are out of sync
 # Package bugs (see the report): sync_buffers("average" / "recompute") merges the BatchNorm statistics (collectives
 # and writes) before broadcast_buffers finds a plain-buffer fault, then says "No buffer was modified".
@@ -181,8 +184,8 @@ def _expected_message(fn: str, kind: str) -> str | None:
     return FROZEN_EXPECTED.get(kind, EXPECTED[kind]) if fn == "frozen_replica" else EXPECTED[kind]
 
 
-def _check_error_within_one_collective(results, pattern: str, odd: int, digests: int) -> None:
-    """Every rank: the same BufferStructureError, after ``digests`` agreement gathers, then the error path only."""
+def _check_error_within_one_collective(results, pattern: str, odd: int, agreements: list) -> None:
+    """Every rank: the same BufferStructureError, after the ``agreements`` collectives, then the error path only."""
     world = len(results)
     errors = [r["error"] for r in results]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors  # the same error everywhere
@@ -194,17 +197,18 @@ def _check_error_within_one_collective(results, pattern: str, odd: int, digests:
     assert set(details) == set(range(world)) and name is not None, details
     # One all_gather of three int64 decides; the error path then gathers the structures (sizes, then bytes) to name
     # the culprit. No data collective anywhere.
-    _assert_only_the_error_path(results, digests)
+    _assert_only_the_error_path(results, agreements)
 
 
-def _assert_only_the_error_path(results: list, digests: int) -> None:
-    """Nothing changed anywhere, and each rank's log is ``digests`` agreements, then the error path (the structures'
+def _assert_only_the_error_path(results: list, agreements: list) -> None:
+    """Nothing changed anywhere, and each rank's log is the ``agreements``, then the error path (the structures'
     sizes, then their bytes): no data collective."""
+    k = len(agreements)
     for rank, r in enumerate(results):
         assert r["unchanged"], f"rank {rank} changed"
         log = r["log"]
-        assert log[:digests] == [DIGEST] * digests and log[digests:digests + 1] == [(ERROR_PATH,)], (rank, log)
-        assert [e[:2] for e in log[digests + 1:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], \
+        assert log[:k] == agreements and log[k:k + 1] == [(ERROR_PATH,)], (rank, log)
+        assert [e[:2] for e in log[k + 1:]] == [("all_gather", "torch.int64"), ("all_gather", "torch.uint8")], \
             (rank, log)
 
 
@@ -213,21 +217,21 @@ def _check_fault(name: str, results: list, odd: int) -> None:
     world = len(results)
     pattern = _expected_message(fn, kind)
     if pattern is not None:
-        _check_error_within_one_collective(results, pattern, odd, 2 if fn in TWO_STEP else 1)
+        _check_error_within_one_collective(results, pattern, odd, AGREEMENTS.get(fn, [DIGEST]))
         return
     logs = [r["log"] for r in results]
-    if fn == "average_bn_stats":  # the digest, one all-reduce of 2 layers x (count + 2 x 3 channels), the vote
+    if fn == "average_bn_stats":  # the digest, one all-reduce of 2 layers x (weight, count + 2 x 3 channels), the vote
         assert all(r["error"] is None for r in results), [r["error"] for r in results]
-        assert logs == [[DIGEST, ("all_reduce", "torch.float64", 14), ("all_gather", "torch.int64", 1)]] * world, logs
-    elif fn == "recompute_bn_stats":  # the digest, one all-reduce: [failed per rank][batches][2 x (calls, n, s1, s2)]
-        assert all(r["error"] is None for r in results), [r["error"] for r in results]
-        assert logs == [[DIGEST, ("all_reduce", "torch.float64", world + 1 + 16)]] * world, logs
+        assert logs == [[DIGEST, ("all_reduce", "torch.float64", 16), VOTE]] * world, logs
+    elif fn == "recompute_bn_stats":  # the digest, one all-reduce: [failed per rank][batches][2 x (calls, n, s1, s2)],
+        assert all(r["error"] is None for r in results), [r["error"] for r in results]  # the vote on computing
+        assert logs == [[DIGEST, ("all_reduce", "torch.float64", world + 1 + 16), VOTE]] * world, logs
     else:  # the control: agreement first, then the data; never the error path
         want = "BuffersOutOfSyncError" if fn in CHECKS else None
         assert all((r["error"] or [None])[0] == want for r in results), [r["error"] for r in results]
-        digests = 2 if fn in TWO_STEP else 1
+        agreements = AGREEMENTS.get(fn, [DIGEST])
         for log in logs:
-            assert log[:digests] == [DIGEST] * digests and (ERROR_PATH,) not in log, log
+            assert log[:len(agreements)] == agreements and (ERROR_PATH,) not in log, log
             assert any(e[0] in DATA for e in log), log
     if fn in BN_ONLY or (fn.startswith("sync_buffers(") and fn not in ("sync_buffers(check)",)):
         assert all(_same(r["stats"], results[0]["stats"]) for r in results)  # the same statistics everywhere now
@@ -281,7 +285,7 @@ CALL_FAULTS = {  # name -> (call on the other ranks, call on the odd rank, messa
     "frozen_replica vs broadcast": (lambda m, r: zb.frozen_replica(m), lambda m, r: zb.broadcast_buffers(m),
                                     DIFFERENT_ARGUMENTS, 1),
     "frozen_replica src": (lambda m, r: zb.frozen_replica(m, src=0), lambda m, r: zb.frozen_replica(m, src=1),
-                           DIFFERENT_ARGUMENTS, 2),
+                           DIFFERENT_ARGUMENTS, AGREEMENTS["frozen_replica"]),
     "gathered modifier_rank": (lambda m, r: _gathered_from(m, 0), lambda m, r: _gathered_from(m, 1),
                                DIFFERENT_ARGUMENTS, 1),
     "gathered modifier_rank vs None": (lambda m, r: _gathered_from(m, 0), lambda m, r: _gathered_from(m, None),
@@ -319,7 +323,7 @@ def _check_call_fault(name: str, results: list) -> None:
     assert set(errors[0][3]) == set(range(world)), errors[0][3]
     if pattern == DIFFERENT_ARGUMENTS:
         assert errors[0][2] is None  # no buffer to blame: the calls differ
-    _assert_only_the_error_path(results, digests)
+    _assert_only_the_error_path(results, digests if isinstance(digests, list) else [DIGEST] * digests)
 
 
 def test_ranks_calling_with_different_arguments_raise_the_same_error(ranks):

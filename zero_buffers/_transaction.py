@@ -166,8 +166,7 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
                 compute(space)
         except BaseException as e:  # noqa: BLE001 - a vote
             failure = e
-    received = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
-    abort_if_any(g, received, failure, deadline, what, "receiving failed", unchanged)
+    vote(g, failure, deadline, what, "receiving failed", unchanged)
     if after:
         before = [t.detach().clone() for _, t in entries]  # taken only where a post-write step can fail
         apply(space)
@@ -175,6 +174,13 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
     else:
         apply(space)
     return [e for _, e in votes]
+
+
+def vote(g: Group, failure: Failure, deadline: _wire.Deadline, what: str, step: str, unchanged: str,
+         error: type[SyncAbortedError] = SyncAbortedError) -> None:
+    """One all_gather of [failed]: if any member failed, every rank raises the same ``error`` (see abort_if_any)."""
+    statuses = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
+    abort_if_any(g, statuses, failure, deadline, what, step, unchanged, error)
 
 
 def run_after(g: Group, steps: Sequence[Callable[[], None]], deadline: _wire.Deadline, what: str,

@@ -102,7 +102,20 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     inner = _modules.unwrap(model, _FN)
     result = population_sums(inner, data, g, deadline, num_batches=num_batches, progress=progress, device=device,
                              forward=forward, global_batch=_args.flag(global_batch, "global_batch", _FN), outer=model)
-    return 0 if result is None else write(*result)
+    if result is None:
+        return 0
+    if g is None:
+        return write(*result)
+    values, failure = None, None
+    try:  # the statistics are computed before the writes, and every rank votes on it ([Note: the transaction])
+        _transaction.reached(_transaction.Phase.EXCHANGE, _FN)
+        values = compute(*result)
+    except BaseException as e:  # noqa: BLE001 - a vote
+        failure = e
+    _transaction.vote(g, failure, deadline, f"{_FN}()", "computing the statistics failed", "no buffer was modified",
+                      error=RecomputeError)
+    assert values is not None
+    return apply(values)
 
 
 def check_options(num_batches: Any, forward: Any) -> None:
@@ -162,6 +175,7 @@ def population_sums(inner: nn.Module, data: Any, g: _group.Group | None, deadlin
                     failure = _run_in_lockstep(lockstep, runner, data, num_batches, progress and lockstep.g.me == 0)
             else:
                 try:
+                    _transaction.reached(_transaction.Phase.PREPARE, _FN)
                     source = _batches(data)
                     with _progress(source, num_batches, progress and (g is None or g.me == 0)) as bar:
                         runner.run_all(_limit(source, num_batches), bar)
@@ -193,6 +207,7 @@ def _run_in_lockstep(lockstep: _global_bn.Lockstep, runner: _Runner, data: Any, 
     batches: Iterator[Any] = iter(())
     source: Any = None
     try:
+        _transaction.reached(_transaction.Phase.PREPARE, _FN)
         source = _batches(data)
         batches = _limit(source, num_batches)
     except BaseException as e:  # noqa: BLE001 - voted on below

@@ -259,12 +259,21 @@ def frozen_replica(module: nn.Module, *, src: int = 0, group: Any = None, timeou
     weights = [(m, m.__dict__.get(_WEIGHTS)) for m in module.modules()]
     undo_fsdp2: Callable[[], None] | None = None
     try:
-        if not frozen:
-            full = torch_compat.fsdp2_full_tensors(module) if fsdp2 else {}
-            if fsdp2:
-                undo_fsdp2 = torch_compat.fsdp2_detach(module)
-            _convert(module, no_grad, full)
-        if g is not None:
+        failure: BaseException | None = None
+        try:  # converting is this rank's own step: a failure is its vote below
+            _transaction.reached(_transaction.Phase.PREPARE, _FN)
+            if not frozen:
+                full = torch_compat.fsdp2_full_tensors(module) if fsdp2 else {}
+                if fsdp2:
+                    undo_fsdp2 = torch_compat.fsdp2_detach(module)
+                _convert(module, no_grad, full)
+        except BaseException as e:
+            if g is None:
+                raise
+            failure = e
+        if g is not None:  # one small all_gather: a rank that could not convert stops every rank before the sync
+            _transaction.vote(g, failure, deadline, _FN, "converting the module failed",
+                              "every module is as it was")
             _transaction.broadcast(g, _modules.named_buffers(module), src, (_FN,), deadline, _FN)
     except BaseException:
         if undo_fsdp2 is not None:
