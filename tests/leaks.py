@@ -36,6 +36,9 @@ def snapshot() -> dict[str, Any]:
     mu = sys.modules.get("transformers.modeling_utils")
     if mu is not None:
         out["transformers PreTrainedModel.from_pretrained"] = vars(mu.PreTrainedModel).get("from_pretrained")
+    tr = sys.modules.get("zero_buffers._transaction")
+    if tr is not None:
+        out["zero_buffers _transaction.reached"] = tr.reached
     zi = sys.modules.get("zero_buffers.zero_init")
     if zi is not None:
         out["zero_buffers installed()"] = zi.installed()

@@ -134,12 +134,13 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
            compute: Callable[[Any], None] | None = None, failure: Failure = None,
            unchanged: str = "nothing was changed", step: str = "a rank could not take part", digest: int | None = None,
-           extra: int = 0, after: Sequence[Callable[[], None]] = ()) -> list[int]:
+           extra: int = 0, after: Sequence[Callable[[], None]] = (), keep: Sequence[torch.Tensor] = ()) -> list[int]:
     """Run the phases ([Note: the transaction]) over ``entries``: ``prepare()`` allocates (PREPARE), ``exchange(space)``
     issues every collective (even after a local failure, as :func:`_wire.broadcast` does) and ``compute(space)``
     computes what will be written (EXCHANGE), ``apply(space)`` copies (WRITE), each of ``after`` runs then (AFTER; on
-    failure anywhere, every rank restores ``entries`` and raises). ``failure`` aborts on every rank after the structure
-    check, with ``step`` saying what failed. ``extra`` rides along the first collective; returns every member's."""
+    failure anywhere, every rank puts back ``entries`` and ``keep``, what the hooks may change, and raises).
+    ``failure`` aborts on every rank after the structure check, with ``step`` saying what failed. ``extra`` rides
+    along the first collective; returns every member's."""
     problem = unsendable(g, entries, what)
     space = None
     if failure is None and problem is None:
@@ -168,9 +169,9 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
             failure = e
     vote(g, failure, deadline, what, "receiving failed", unchanged)
     if after:
-        before = [t.detach().clone() for _, t in entries]  # taken only where a post-write step can fail
+        saved = snapshot([t for _, t in entries] + list(keep))  # only where a post-write step can fail
         apply(space)
-        run_after(g, after, deadline, what, lambda: torch_compat.copy_all([t for _, t in entries], before))
+        run_after(g, after, deadline, what, saved)
     else:
         apply(space)
     return [e for _, e in votes]
@@ -181,6 +182,16 @@ def vote(g: Group, failure: Failure, deadline: _wire.Deadline, what: str, step: 
     """One all_gather of [failed]: if any member failed, every rank raises the same ``error`` (see abort_if_any)."""
     statuses = [v[0] for v in _wire.all_gather_values(g, [int(failure is not None)], deadline, what)]
     abort_if_any(g, statuses, failure, deadline, what, step, unchanged, error)
+
+
+def snapshot(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """Copies of ``tensors`` (each once), and the callable that puts them back."""
+    unique = list({id(t): t for t in tensors}.values())
+    copies = [t.detach().clone() for t in unique]
+
+    def restore() -> None:
+        torch_compat.copy_all([t.data for t in unique], copies)
+    return restore
 
 
 def run_after(g: Group, steps: Sequence[Callable[[], None]], deadline: _wire.Deadline, what: str,

@@ -509,8 +509,8 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
     changed = tuple(r for r, v in zip(g.ranks, values[g.size:]) if v)
     if changed:  # every rank sees it, and none has written anything
         raise _Changed(changed)
-    hooks = s.plan.after
-    before = [t.detach().clone() for _, t in s.plan.synced()] if hooks else []  # only where a hook can fail after
+    hooks = s.plan.hooks()
+    restore = _transaction.snapshot([t for _, t in s.plan.synced()] + s.plan.hooked()) if hooks else None
     with torch.no_grad():  # every rank voted: write (no collective below, no user code)
         merged = bn_average.merge(bns, combined[width:], lay=s.layout) if bns else None
         if merged is not None:
@@ -522,11 +522,8 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
                 if kind.rule == "mean":
                     flat.div_(g.size)  # scratch: packed again at the next sync
                 kind.unpack(i)
-    if hooks:
-        def restore() -> None:
-            torch_compat.copy_all([t for _, t in s.plan.synced()], before)
-        _transaction.run_after(g, [functools.partial(hook, module) for module, hook in hooks], deadline, f"{_FN}()",
-                               restore)
+    if restore is not None:  # only where a hook can fail after the writes
+        _transaction.run_after(g, hooks, deadline, f"{_FN}()", restore)
     if merged is not None:  # the sync stands on every rank: its bases are taken up for the next one
         assert s.repeated is not None
         s.repeated.commit(merged)

@@ -130,6 +130,14 @@ class Plan:
         """(name, rule) of every buffer: part of the structure every rank agrees on."""
         return tuple((a.name, a.rule) for a in self.assigned)
 
+    def hooks(self) -> list[Callable[[], Any]]:
+        """Every registered ``after_sync`` hook, bound to its module."""
+        return [functools.partial(hook, module) for module, hook in self.after]
+
+    def hooked(self) -> list[torch.Tensor]:
+        """Every buffer of the modules with a hook (what a hook may change, "local" ones too)."""
+        return [b for module, _ in self.after for b in module.buffers()]
+
     def synced(self) -> list[_modules.Entry]:
         """Every entry a sync moves (all but ``"local"``), in module order."""
         return [(a.name, a.tensor) for a in self.assigned if a.rule != "local"]
@@ -313,7 +321,6 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
         for copy in ready:
             copy()
 
-    after = [functools.partial(hook, module) for module, hook in plan.after]
     _transaction.commit(g, ("rules", src, plan.signature, *call), entries, deadline, fn, prepare=prepare,
-                        exchange=exchange, compute=compute, apply=write, after=after)
+                        exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked())
     return len(entries)

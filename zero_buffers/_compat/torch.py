@@ -22,8 +22,11 @@ except (ImportError, AttributeError) as e:  # pragma: no cover - every torch zer
 
 
 def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate same-dtype, same-device tensors into one new flat tensor."""
+    """Concatenate same-dtype, same-device tensors into one new flat tensor (never a view of one of them: the C++
+    helper returns ``t.view(-1)`` for a single contiguous tensor, and a collective into it would write the buffer)."""
     with torch.no_grad():
+        if len(ts) == 1:
+            return ts[0].reshape(-1).clone()
         if any(t.is_complex() for t in ts):  # the C++ helper refuses complex tensors
             return torch.cat([t.reshape(-1) for t in ts])
         return _flatten_dense_tensors(list(ts))
