@@ -649,7 +649,7 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
         merge = None
         if rules is None and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
             bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-            merge = torch.rand(sum(1 + 2 * m.num_features for m in bns), dtype=torch.float64, device=ctx["device"])
+            merge = torch.rand(sum(2 + 2 * m.num_features for m in bns), dtype=torch.float64, device=ctx["device"])
             fns = {"keep_in_sync": handle.sync, "raw_flat_broadcast": fns["raw_flat_broadcast"],
                    "raw_merge_all_reduce": lambda: dist.all_reduce(merge), "sync_buffers": fns["sync_buffers"]}
         t = timed_together(fns, ctx["repeats"] * 3, ctx["device"])

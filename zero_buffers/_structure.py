@@ -111,6 +111,17 @@ def agree(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], deadline: _
     raise mismatch_error(what, g.ranks, theirs)
 
 
+def refuse(g: Group, error: Exception, deadline: _wire.Deadline, what: str) -> None:
+    """This rank cannot plan its part of the call (its own model makes ``error``): it meets its peers in their first
+    collective with a call that says so, so every rank raises instead of waiting for it. Peers that planned: a
+    BufferStructureError naming this rank's reason, on every rank. Every rank failed alike: ``error`` itself."""
+    try:
+        agree(g, (what, "could not plan its buffers here", f"{type(error).__name__}: {error}"), [], deadline, what)
+    except BufferStructureError as mismatch:
+        raise mismatch from error
+    raise error
+
+
 def _ranks_text(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 

@@ -83,19 +83,19 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     plan = None
     if rules is None and policy in ("broadcast", "average", "recompute") and rules_mod.registered_in(inner):
         rules = {}  # classes with registered rules: the policy is the preset, their rules apply
-    if rules is not None:  # resolved and checked before any collective, with or without a process group
-        plan = rules_mod.resolve(inner, rules, fn, strict=_args.flag(strict, "strict", fn),
-                                 bn_default="broadcast" if policy == "broadcast" else "bn")
-        if policy == "recompute":
-            stats = {id(t) for _, t in _modules.bn_stat_entries(_modules.tracking_bn(inner))}
-            odd = [a for a in plan.assigned if a.rule != "bn" and id(a.tensor) in stats]
-            if odd:
-                raise InvalidArgumentError(f"{fn}(): policy 'recompute' recomputes every BatchNorm's statistics, but "
-                                           f"'{odd[0].name}' has rule {odd[0].rule!r} ({odd[0].source})")
+    strict = _args.flag(strict, "strict", fn)
+    deadline = _wire.Deadline(seconds)
+    if rules is not None:  # the rules checked before any collective, with or without a process group
+        rules_mod.parse(rules, fn)
+        try:  # what depends on this rank's model: a rank that cannot plan tells its peers in their first collective
+            plan = _plan(inner, rules, policy, strict, fn)
+        except InvalidArgumentError as e:
+            if g is None:
+                raise
+            _structure.refuse(g, e, deadline, fn)
     if policy == "check":
         report = assert_buffers_in_sync(inner, group=group, timeout=timeout)
         return len(report.rows) if report.checked else 0
-    deadline = _wire.Deadline(seconds)
     if g is None:
         if not _group.initialized() and policy != "recompute":
             _notice.single_process(fn)
@@ -112,6 +112,18 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     if plan is not None:
         return rules_mod.apply(g, plan, src, deadline, fn, call=(policy,), sums=sums)
     return _commit(g, inner, str(policy), src, sums, deadline, fn)
+
+
+def _plan(inner: nn.Module, rules: rules_mod.Rules, policy: str | None, strict: bool, fn: str) -> rules_mod.Plan:
+    """The rules resolved on ``inner`` (InvalidArgumentError for what this model cannot take)."""
+    plan = rules_mod.resolve(inner, rules, fn, strict=strict, bn_default="broadcast" if policy == "broadcast" else "bn")
+    if policy == "recompute":
+        stats = {id(t) for _, t in _modules.bn_stat_entries(_modules.tracking_bn(inner))}
+        odd = [a for a in plan.assigned if a.rule != "bn" and id(a.tensor) in stats]
+        if odd:
+            raise InvalidArgumentError(f"{fn}(): policy 'recompute' recomputes every BatchNorm's statistics, but "
+                                       f"'{odd[0].name}' has rule {odd[0].rule!r} ({odd[0].source})")
+    return plan
 
 
 def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_recompute.Sums | None,

@@ -339,13 +339,8 @@ class KeepInSync:
         try:
             plan = self._resolve()
             steady = _Steady(g, plan, self.src)
-        except Exception as e:  # this rank's model no longer takes its rules: every rank learns it here
-            try:
-                _structure.agree(g, (_FN, "could not plan its buffers here", f"{type(e).__name__}: {e}"), [],
-                                 deadline, _FN)
-            except BufferStructureError as mismatch:
-                raise mismatch from e
-            raise  # every rank failed alike
+        except Exception as e:  # noqa: BLE001 - this rank's model no longer takes its rules: every rank learns it here
+            _structure.refuse(g, e, deadline, _FN)
         first = self._last is None
         extra = _start_digest(steady, self._at_start if self._start == "installed" else None) if first else 0
         votes = _structure.agree(g, steady.call, plan.synced(), deadline, _FN, extra=extra)

@@ -162,11 +162,9 @@ def _label(k: Any) -> str:
     return k.__name__ if isinstance(k, type) else str(k)
 
 
-def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = False,
-            bn_default: str = "bn") -> Plan:
-    """Every buffer of ``module`` with its rule; InvalidArgumentError (the same on every rank that has the same model
-    and rules) for unknown rules, rules claimed twice, ``"bn"`` outside BatchNorm statistics, ``"mean"`` on integers
-    or bools, ``"sum"`` on bools; globs and classes that match nothing warn once (raise with ``strict=True``)."""
+def parse(rules: Rules | None, fn: str) -> tuple[dict[str, str], dict[Any, Any]]:
+    """The rules themselves checked (keys, values), without looking at any model: (patterns, classes).
+    InvalidArgumentError for what is wrong, the same on every rank that passed the same rules."""
     rules = {} if rules is None else rules
     if not isinstance(rules, Mapping):
         raise InvalidArgumentError(f"{fn}(): rules must be a mapping {{glob or module class: rule}}, got "
@@ -185,6 +183,15 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
         else:
             raise InvalidArgumentError(f"{fn}(): rules keys must be qualified-name globs (str) or nn.Module classes, "
                                        f"got {k!r}")
+    return patterns, classes
+
+
+def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = False,
+            bn_default: str = "bn") -> Plan:
+    """Every buffer of ``module`` with its rule; InvalidArgumentError (the same on every rank that has the same model
+    and rules) for unknown rules, rules claimed twice, ``"bn"`` outside BatchNorm statistics, ``"mean"`` on integers
+    or bools, ``"sum"`` on bools; globs and classes that match nothing warn once (raise with ``strict=True``)."""
+    patterns, classes = parse(rules, fn)
     used: set[Any] = set()
     assigned: list[Assigned] = []
     seen: set[int] = set()
