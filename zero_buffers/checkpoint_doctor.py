@@ -299,7 +299,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     atol = _atol(atol)
     patterns = _patterns(only)
     _trust(trust_pickle)
-    layouts = [_ckpt_files.locate(p, tag) for p in (path, *more)]
+    layouts = [_ckpt_files.locate(p, tag, trust_pickle) for p in (path, *more)]
     sources = _sources(layouts)
     for s in sources:
         if verify or (verify is None and s.file.format == "torch" and s.file.path.is_file()
@@ -328,7 +328,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         counters = tuple(_counter_range(v, [p + "num_batches_tracked" for p, c in layers.items() if c])
                          for v in views)
         if any(lay.kind == "torch DCP" for lay in layouts):
-            warnings += _dcp_warnings(layouts, layers)
+            warnings += _dcp_warnings(layouts, layers, trust_pickle)
     kinds: dict[str, int] = {}
     for n in names:
         kinds[_kind_of(n)] = kinds.get(_kind_of(n), 0) + 1
@@ -346,13 +346,13 @@ def _counter_range(view: _ckpt_files.Tensors, names: Sequence[str]) -> tuple[int
     return (min(values), max(values)) if values else None
 
 
-def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool]) -> list[str]:
+def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool], trust_pickle: bool) -> list[str]:
     """Which ranks wrote each BatchNorm layer's statistics in a DCP folder; a warning when they mix."""
     out = []
     for lay in layouts:
         if lay.kind != "torch DCP":
             continue
-        writers = _ckpt_files.dcp_writers(lay.files[0])
+        writers = _ckpt_files.dcp_writers(lay.files[0], trust_pickle)
         if not writers:
             out.append(f"{lay.path}: DCP keeps one copy of each replicated entry from whichever rank its planner "
                        "picks, and this folder does not say which: its BatchNorm statistics may mix ranks")
@@ -429,7 +429,7 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
         raise InvalidArgumentError(f"policy must be one of {_POLICIES}, got {policy!r}")
     if (out is None) == (not in_place):
         raise InvalidArgumentError("give exactly one of out=... and in_place=True")
-    lay = _ckpt_files.locate(path, tag)
+    lay = _ckpt_files.locate(path, tag, trust_pickle)
     if not lay.per_rank:
         raise CheckpointError(f"{lay.path}: a {lay.kind} checkpoint holds one copy of each buffer "
                               f"({lay.notes[0] if lay.notes else 'not per rank'}): nothing to repair", str(lay.path))
