@@ -137,7 +137,9 @@ class CheckpointReport:
 @dataclass(frozen=True)
 class RepairResult:
     """What :func:`repair_checkpoint` wrote: ``merged`` BatchNorm layers (exact mixture), ``from_src`` buffers
-    that now hold rank ``src``'s values, ``rewritten`` rank files (the rest of the folder was copied as bytes)."""
+    that now hold rank ``src``'s values, ``rewritten`` rank files (the rest of the folder was copied as bytes).
+    ``written`` is False for an in-place repair that found every buffer identical on every rank (nothing on disk
+    changed)."""
 
     path: str
     out: str
@@ -150,9 +152,22 @@ class RepairResult:
     from_src: tuple[str, ...]
     rewritten: tuple[str, ...]
     copied: int
+    written: bool = True
+
+    @property
+    def changed(self) -> bool:
+        """Whether any buffer differed across the ranks (and so was merged or taken from ``src``)."""
+        return bool(self.merged or self.from_src)
 
     def format(self) -> str:
-        return (f"{self.out}: repaired copy of {self.path} ({self.kind}, {self.ranks} ranks, policy {self.policy!r}"
+        what = f"{self.kind}, {self.ranks} ranks"
+        if not self.changed and not self.written:
+            return (f"{self.out}: nothing to repair: every buffer is bitwise identical on all {self.ranks} ranks "
+                    f"({what}); nothing was written")
+        if not self.changed:
+            return (f"{self.out}: copy of {self.path} ({what}): nothing to repair, every buffer is bitwise identical "
+                    f"on all ranks, so every file was copied as bytes ({self.copied})")
+        return (f"{self.out}: repaired copy of {self.path} ({what}, policy {self.policy!r}"
                 f"{f', src {self.src}' if self.policy == 'broadcast' or self.from_src else ''}): "
                 f"{len(self.merged)} BatchNorm layer(s) merged, {len(self.from_src)} buffer(s) from rank {self.src}, "
                 f"{len(self.rewritten)} rank file(s) rewritten and verified, {self.copied} other file(s) copied")
@@ -444,6 +459,8 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     with _opened(sources, trust_pickle, progress) as views:
         names, _ = _common_names(sources, views, True)
         values, merged, from_src = _repaired_values(views, names, policy, src)
+        if in_place and not values:  # every buffer identical on every rank: nothing on disk changes
+            return RepairResult(str(lay.path), str(target), lay.kind, lay.tag, n, policy, src, (), (), (), 0, False)
         try:
             stage = _ckpt_files.staging(lay.unit if in_place else target)
         except OSError as e:
@@ -506,11 +523,15 @@ def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool)
 
 def _repaired_values(views: Sequence[_ckpt_files.Tensors], names: Sequence[str], policy: str, src: int
                      ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
-    """The value every rank gets, for each buffer that is not already identical everywhere."""
+    """The value every rank gets, for each buffer that is not already identical everywhere (a BatchNorm layer whose
+    statistics are bitwise identical on every rank is not merged again: a repair of a repaired checkpoint changes
+    nothing)."""
     values: dict[str, torch.Tensor] = {}
     merged: list[str] = []
     if policy == "average":
         for prefix, counted in _bn_layers(names).items():
+            if all(_identical(views, prefix + s) for s in _STATS[:2 + counted]):
+                continue
             stats = _mixture(views, prefix, counted)
             if stats is not None:
                 values.update(stats)
@@ -519,11 +540,16 @@ def _repaired_values(views: Sequence[_ckpt_files.Tensors], names: Sequence[str],
     for name in names:
         if name in values:
             continue
-        tensors = [v.get(name) for v in views]
-        if not all(_compare.bitwise_equal(t, tensors[0]) for t in tensors[1:]):
-            values[name] = tensors[src].clone()
+        if not _identical(views, name):
+            values[name] = views[src].get(name).clone()
             from_src.append(name)
     return values, merged, from_src
+
+
+def _identical(views: Sequence[_ckpt_files.Tensors], name: str) -> bool:
+    """Whether every rank's copy of ``name`` is bitwise identical to rank 0's."""
+    ref = views[0].get(name)
+    return all(_compare.bitwise_equal(v.get(name), ref) for v in views[1:])
 
 
 def _mixture(views: Sequence[_ckpt_files.Tensors], prefix: str, counted: bool) -> dict[str, torch.Tensor] | None:
