@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
-import uuid
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -402,22 +400,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def staging(beside: Path) -> Path:
-    """A fresh hidden folder next to ``beside`` (same file system, so the final rename is atomic)."""
-    folder = beside.parent / f".{beside.name}.zb-repair-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    return folder
-
-
-def swap_in(new: Path, old: Path) -> None:
-    """Replace folder ``old`` by ``new`` (two renames); if the second fails the first is undone."""
-    aside = old.parent / f".{old.name}.zb-old-{uuid.uuid4().hex[:8]}"
-    os.rename(old, aside)
-    try:
-        os.rename(new, old)
-    except BaseException:
-        os.rename(aside, old)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)

@@ -387,6 +387,26 @@ def test_files_the_doctor_never_loads_are_never_unpickled_and_are_copied_as_byte
     assert not marker.exists()
 
 
+def test_links_and_specials_inside_a_folder_are_never_read(tmp_path):
+    """A link to /dev/zero and a link loop beside the rank files are copied as links; a FIFO there is refused by
+    repair (a copy would block on it), named, before anything is written; inspect does not open either."""
+    folder = files.per_rank(tmp_path / "ck")
+    (folder / "notes.txt").symlink_to("/dev/zero")
+    (folder / "loop").symlink_to("loop")
+    with files.deadline(30):
+        code, _, err = doctor("repair", folder, "-o", tmp_path / "fixed")
+        assert code == 0, err
+        assert os.readlink(tmp_path / "fixed" / "notes.txt") == "/dev/zero"
+        assert os.readlink(tmp_path / "fixed" / "loop") == "loop"
+        os.mkfifo(folder / "queue")
+        before = snapshot(tmp_path)
+        code, _, err = doctor("repair", folder, "--in-place")
+        assert code == 2 and "queue: a FIFO (named pipe) inside the checkpoint folder" in err, err
+        assert snapshot(tmp_path) == before
+        code, _, err = doctor("inspect", folder)
+        assert code == 0, err
+
+
 # -- --trust-pickle: a class that is not here is a CheckpointError naming it ------------------------------------------
 
 def _with_foreign_object(folder: Path, module: str, rank: int = 1) -> None:
