@@ -125,6 +125,21 @@ def dcp_slice_compressed(tmp: Path, marker: Path) -> tuple[Path, str, str]:
     return folder, info.relative_path, "is compressed"
 
 
+def dcp_slice_payload(tmp: Path, marker: Path) -> tuple[Path, str, str]:
+    """One entry's slice replaced by a torch.save of a payload (what DCP hands to torch.load)."""
+    folder = files.dcp(tmp / "ck")
+    md = _metadata(folder)
+    _, info = _storage(md, "bn.running_mean")
+    data = (folder / info.relative_path).read_bytes()
+    buf = io.BytesIO()
+    torch.save(Payload(marker), buf)
+    info.offset, info.length = len(data), len(buf.getvalue())
+    md.state_dict_metadata["bn.running_mean"].size = torch.Size([1])  # fits in the slice: only the payload is wrong
+    (folder / info.relative_path).write_bytes(data + buf.getvalue())
+    _write_metadata(folder, md)
+    return folder, info.relative_path, "holds the Python object io.open, which weights_only=True refuses"
+
+
 def ds_model_states_payload(tmp: Path, marker: Path) -> tuple[Path, str, str]:
     root = files.zero3(tmp / "ck")
     torch.save(files.model_states(1, 2, {"hook": Payload(marker)}), root / files.TAG / files.model_file(1))
@@ -148,6 +163,12 @@ def ds_latest_huge(tmp: Path, marker: Path) -> tuple[Path, str, str]:
     root = files.zero3(tmp / "ck")
     (root / "latest").write_bytes(b"step8" + b" " * (1 << 20))
     return root, "latest", "a file of at most 4096 bytes"
+
+
+def ds_latest_is_a_pickle(tmp: Path, marker: Path) -> tuple[Path, str, str]:
+    root = files.zero3(tmp / "ck")
+    (root / "latest").write_bytes(pickle.dumps(Payload(marker)))
+    return root, "latest", "not text"
 
 
 def ds_latest_fifo(tmp: Path, marker: Path) -> tuple[Path, str, str]:
@@ -276,6 +297,7 @@ CASES: dict[str, Callable[[Path, Path], tuple[Path, str, str]]] = {
     f.__name__: f for f in (
         dcp_metadata_payload, dcp_metadata_reduce_only, dcp_metadata_is_a_zip, dcp_metadata_fifo,
         dcp_path_escapes_the_folder, dcp_slice_beyond_the_file, dcp_tensor_declares_a_terabyte, dcp_slice_compressed,
+        dcp_slice_payload, ds_latest_is_a_pickle,
         ds_model_states_payload, ds_rank0_model_states_payload, ds_latest_climbs_out, ds_latest_huge,
         ds_latest_fifo, ds_model_states_fifo, pt_payload, bin_payload, plain_pickle_named_pt,
         pickle_named_safetensors, zip_named_safetensors, safetensors_named_pt, safetensors_header_absurd,

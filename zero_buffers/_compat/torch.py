@@ -321,6 +321,8 @@ def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         return out
     reader = _checked_reader()(path)
     reader.checked = checked
+    held = sorted({info.relative_path for index, info in checked.storage_data.items() if index.fqn in out})
+    where = str(pathlib.Path(path) / held[0]) if held else path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -331,15 +333,23 @@ def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         known = next((c for c in causes if isinstance(c, CheckpointError)), None)
         if known is not None:
             raise known from e
-        first = causes[0] if causes else e
-        raise CheckpointError(f"{path}: DCP could not read {', '.join(list(out)[:3])}: {type(first).__name__}: "
-                              f"{str(first).strip()[:200]}", path) from e
+        raise CheckpointError(f"{where}: DCP could not read {', '.join(list(out)[:3])}: "
+                              f"{_reason(causes[0] if causes else e)}", where) from e
     except CheckpointError:
         raise
     except Exception as e:  # a damaged entry: the folder is at fault
-        raise CheckpointError(f"{path}: DCP could not read {', '.join(list(out)[:3])}: {type(e).__name__}: "
-                              f"{str(e).strip()[:200]}", path) from e
+        raise CheckpointError(f"{where}: DCP could not read {', '.join(list(out)[:3])}: {_reason(e)}", where) from e
     return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why an entry could not be read (torch's weights_only refusal named by its global)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if "Weights only load failed" in text:
+        what = f"the Python object {found.group(1)}" if found else "Python objects"
+        return f"its data holds {what}, which weights_only=True refuses to unpickle"
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 # -- FSDP1 (FullyShardedDataParallel), FSDP2 (fully_shard), DTensor, DeviceMesh ------------------------------------
