@@ -5,7 +5,7 @@ An untouched, traced run counts the calls; the sweep then kills at every mkdir, 
 ``repair --in-place`` (per-rank files) and every fsync and rename of ``repair -o``, one run per N = 1 .. count;
 then the two-rename fallback (exchange refused) at each of its renames, a ZeRO-3-shaped folder at a few steps
 (its deletions after the swap among them), and seeded random points among the file opens (file creation
-included). About 26 runs of ~2 s: under 90 s on two idle cores. After each kill:
+included). 27 runs of about 2 s: about 60 s on two idle cores. After each kill:
 
 - the checkpoint path holds the complete old or the complete new checkpoint, never a mixture, never missing
   (missing only between the fallback's two renames, and then the journal restores it);
