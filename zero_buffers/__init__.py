@@ -6,7 +6,13 @@ from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
 from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
-from .checkpoint_doctor import CheckpointReport, RepairResult, checkpoint_report, repair_checkpoint
+from .checkpoint_doctor import (
+    CheckpointReport,
+    RepairResult,
+    checkpoint_report,
+    recover_checkpoint,
+    repair_checkpoint,
+)
 from .errors import (
     BuffersOutOfSyncError,
     BufferStructureError,
@@ -67,6 +73,7 @@ __all__ = [
     "keep_in_sync",
     "no_zero_init",
     "recompute_bn_stats",
+    "recover_checkpoint",
     "register_rules",
     "repair_checkpoint",
     "sync_buffers",

@@ -16,8 +16,6 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import shutil
-import uuid
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -28,9 +26,10 @@ from typing import Any
 
 import torch
 
+from . import _file_checks
 from .errors import CheckpointError
 
-TENSOR_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+TENSOR_SUFFIXES = (*_file_checks.TORCH_SUFFIXES, ".safetensors")
 _ZERO3_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _ZERO12_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 # what writers raise on a full disk or a size limit: OSError from Python, RuntimeError from torch's zip writer
@@ -94,28 +93,49 @@ class Tensors:
 
 # -- finding the kind ------------------------------------------------------------------------------------------------
 
-def locate(path: str | os.PathLike, tag: str | None = None) -> Layout:
+def locate(path: str | os.PathLike, tag: str | None = None, trust_pickle: bool = False) -> Layout:
     """The layout of ``path``; raises CheckpointError naming the file when it is not a checkpoint we can read."""
     p = Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         raise CheckpointError(f"{p}: no such file or folder", str(p))
-    if p.is_file():
+    if not p.is_dir():
+        _file_checks.regular(p)  # a FIFO, a device, a link loop or a dangling link: refused by name
         return _single(p, p.parent, "state dict file")
-    if (p / ".metadata").is_file():
+    if os.path.lexists(p / ".metadata"):
         return _dcp(p)
     latest = p / "latest"
-    if tag is not None or latest.is_file():
-        chosen = tag if tag is not None else latest.read_text().strip()
+    if tag is not None or os.path.lexists(latest):
+        chosen = _tag(tag, "--tag") if tag is not None else _tag(_read_latest(latest), str(latest))
         if not (p / chosen).is_dir():
             where = f"--tag {tag!r}" if tag is not None else f"{latest} names tag {chosen!r}, but"
             raise CheckpointError(f"{where} there is no folder {p / chosen}", str(p / chosen))
-        inner = _deepspeed(p / chosen, p)
+        inner = _deepspeed(p / chosen, p, trust_pickle)
         return Layout(inner.kind, p, inner.unit, inner.files, inner.per_rank, chosen, inner.notes)
     if any(_ZERO3_FILE.match(f.name) or _ZERO12_FILE.match(f.name) for f in p.iterdir()):
-        return _deepspeed(p, p)
+        return _deepspeed(p, p, trust_pickle)
     if (p / "random_states_0.pkl").is_file() or (p / "optimizer.bin").is_file():
         return _accelerate(p)
     return _folder(p)
+
+
+_LATEST_BYTES = 4096
+
+
+def _read_latest(latest: Path) -> str:
+    """DeepSpeed's ``latest``: the tag, as text, in a small regular file."""
+    data = _file_checks.read_small(latest, _LATEST_BYTES)
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{latest}: not text (DeepSpeed writes the tag's name here)", str(latest)) from e
+
+
+def _tag(tag: str, where: str) -> str:
+    """A tag names one folder inside the checkpoint: one path component, not "..", no separator."""
+    if tag in ("", ".", "..") or any(c in tag for c in "/\\\0") or not tag.isprintable():
+        raise CheckpointError(f"{where}: names the tag {tag[:80]!r}, which is not one folder name inside the "
+                              "checkpoint", where)
+    return tag
 
 
 def _single(file: Path, unit: Path, kind: str, notes: tuple[str, ...] = ()) -> Layout:
@@ -123,7 +143,7 @@ def _single(file: Path, unit: Path, kind: str, notes: tuple[str, ...] = ()) -> L
     return Layout(kind, file, unit, (StateFile(file, file.name, None, fmt),), False, None, notes)
 
 
-def _deepspeed(folder: Path, path: Path) -> Layout:
+def _deepspeed(folder: Path, path: Path, trust_pickle: bool) -> Layout:
     """A DeepSpeed tag folder: ZeRO-3 (one model-states file per rank) or ZeRO-1/2 (rank 0's only)."""
     zero3: dict[int, dict[int, Path]] = {}
     for f in folder.iterdir():
@@ -135,17 +155,17 @@ def _deepspeed(folder: Path, path: Path) -> Layout:
             raise CheckpointError(f"{folder}: model-parallel ranks {sorted(zero3)} (mp_rank_01 and up) are not "
                                   "supported; only data-parallel ZeRO-3 folders (mp_rank_00)", str(folder))
         ranks = zero3[0]
-        expected, _ = _ds_record(ranks[min(ranks)])
+        expected, _ = _ds_record(ranks[min(ranks)], trust_pickle)
         _check_ranks(folder, ranks, expected, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
         files = tuple(StateFile(ranks[r], f"rank {r}", r, "torch", "module") for r in sorted(ranks))
         return Layout("DeepSpeed ZeRO-3", path, folder, files, True, None,
                       ("one model-states file per data-parallel rank, each with that rank's own buffers "
                        "(zero_to_fp32 and the 16-bit export take rank 0's)",))
     single = folder / "mp_rank_00_model_states.pt"
-    if not single.is_file():
+    if not os.path.lexists(single):
         raise CheckpointError(f"{folder}: a DeepSpeed folder without mp_rank_00_model_states.pt or "
                               "zero_pp_rank_*_mp_rank_00_model_states.pt", str(folder))
-    world, stage = _ds_record(single)
+    world, stage = _ds_record(single, trust_pickle)
     others = f"the other {world - 1} rank(s)' buffers were never written" if world and world > 1 else \
         "other ranks' buffers, if any, were never written"
     return Layout(f"DeepSpeed ZeRO-{stage}" if stage in (0, 1, 2) else "DeepSpeed ZeRO-1/2", path, folder,
@@ -154,9 +174,12 @@ def _deepspeed(folder: Path, path: Path) -> Layout:
                    "nothing per rank to compare or merge (recompute the statistics after loading)",))
 
 
-def _ds_record(file: Path) -> tuple[int | None, int | None]:
+def _ds_record(file: Path, trust_pickle: bool) -> tuple[int | None, int | None]:
     """``dp_world_size`` and the ZeRO stage a DeepSpeed model-states file records (None where absent), one read."""
-    record = _open_torch(file, trust_pickle=False)
+    record = _open_torch(file, trust_pickle)
+    if not isinstance(record, Mapping):
+        raise CheckpointError(f"{file}: holds a {type(record).__name__}, not DeepSpeed's model states (a dict)",
+                              str(file))
     world = record.get("dp_world_size")
     config = record.get("ds_config")
     stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, Mapping) else None
@@ -185,7 +208,7 @@ def _dcp(folder: Path) -> Layout:
 
 
 def _accelerate(folder: Path) -> Layout:
-    models = sorted(f for f in folder.iterdir() if f.is_file() and re.match(
+    models = sorted(f for f in folder.iterdir() if not f.is_dir() and re.match(
         r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$", f.name))
     if not models:
         raise CheckpointError(f"{folder}: an Accelerate save_state folder without model.safetensors or "
@@ -201,7 +224,7 @@ def _accelerate(folder: Path) -> Layout:
 
 def _folder(folder: Path) -> Layout:
     """Tensor files whose names differ only by a number: one per rank. One tensor file: a single state dict."""
-    tensors = sorted(f for f in folder.iterdir() if f.is_file() and f.suffix in TENSOR_SUFFIXES)
+    tensors = sorted(f for f in folder.iterdir() if f.suffix in TENSOR_SUFFIXES and not f.is_dir())
     if not tensors:
         raise CheckpointError(f"{folder}: no checkpoint here (no DeepSpeed, DCP or Accelerate folder, no "
                               f"{'/'.join(TENSOR_SUFFIXES)} files)", str(folder))
@@ -230,8 +253,13 @@ def _folder(folder: Path) -> Layout:
 # -- reading ---------------------------------------------------------------------------------------------------------
 
 def _open_torch(file: Path, trust_pickle: bool) -> Any:
-    """``torch.load`` lazily (mmap for zip archives), ``weights_only`` unless the caller trusts the file."""
-    zipped = zipfile.is_zipfile(file)
+    """``torch.load`` lazily (mmap for zip archives), ``weights_only`` unless the caller trusts the file; the file
+    must be a regular file holding a torch zip archive laid out as torch writes one, or a (legacy) pickle."""
+    kind, size = _file_checks.expect_kind(file, ("zip", "pickle"), "a torch checkpoint")
+    zipped = kind == "zip"
+    if zipped:
+        with open(file, "rb") as f:
+            _file_checks.check_zip(f, size, str(file))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Detected pickle protocol 4 ..." on legacy pickles
@@ -242,19 +270,25 @@ def _open_torch(file: Path, trust_pickle: bool) -> Any:
             what = f"the Python object {found.group(1)}" if found else "Python objects (or an old-format pickle)"
             raise CheckpointError(f"{file}: holds {what}, which weights_only=True refuses to unpickle. Only if you "
                                   "trust this file: --trust-pickle (trust_pickle=True)", str(file)) from e
+        if trust_pickle:
+            raise _file_checks.unpickling_failed(file, e, True) from e
         raise CheckpointError(f"{file}: not a torch checkpoint ({_first_line(str(e))})", str(file)) from e
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
-        with open(file, "rb") as f:
-            looks_zipped = f.read(4) == b"PK\x03\x04"
-        state = ("a truncated or corrupt torch checkpoint" if looks_zipped else
-                 "not a torch checkpoint (neither a zip archive nor a pickle)")
+    except Exception as e:  # whatever torch.load raises on a damaged or foreign file: the file is at fault
+        if trust_pickle and not isinstance(e, (RuntimeError, EOFError, OSError, zipfile.BadZipFile)):
+            raise _file_checks.unpickling_failed(file, e, True) from e  # a class not here, a failing __setstate__
+        state = "a truncated or corrupt torch checkpoint" if zipped else "a damaged torch checkpoint (legacy pickle)"
         raise CheckpointError(f"{file}: {state}: {type(e).__name__}: {_first_line(str(e))}", str(file)) from e
 
 
 def check_crc(sf: StateFile) -> None:
     """Read every member of a torch zip checkpoint and check its CRC-32 (torch's mmap reader does not)."""
-    if sf.format != "torch" or not zipfile.is_zipfile(sf.path):
+    if sf.format != "torch":
         return
+    kind, size = _file_checks.expect_kind(sf.path, ("zip", "pickle"), "a torch checkpoint")
+    if kind != "zip":
+        return
+    with open(sf.path, "rb") as f:
+        _file_checks.check_zip(f, size, str(sf.path))  # every member stored and inside the file: testzip reads <= size
     try:
         with zipfile.ZipFile(sf.path) as z:
             bad = z.testzip()
@@ -299,6 +333,7 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
         yield Tensors({k: (v.dtype, tuple(v.shape)) for k, v in entries.items()}, entries.__getitem__, names)
     elif sf.format == "safetensors":
         st = _safetensors()
+        _file_checks.expect_kind(sf.path, ("safetensors",), "a safetensors file")
         try:
             handle = st.safe_open(str(sf.path), framework="pt")
             f = handle.__enter__()
@@ -306,9 +341,9 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
             for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 s = f.get_slice(k)
                 meta[k] = (_SAFE_DTYPES[s.get_dtype()], tuple(s.get_shape()))
-        except (st.SafetensorError, OSError, KeyError) as e:
-            raise CheckpointError(f"{sf.path}: not a readable safetensors file ({_first_line(str(e))})",
-                                  str(sf.path)) from e
+        except Exception as e:  # SafetensorError, an unknown dtype (KeyError), ...: the file is at fault
+            raise CheckpointError(f"{sf.path}: not a readable safetensors file ({type(e).__name__}: "
+                                  f"{_first_line(str(e))})", str(sf.path)) from e
         try:
             yield Tensors(meta, f.get_tensor, None)
         finally:
@@ -316,16 +351,13 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
     else:
         from ._compat import torch as compat
 
-        try:
-            metadata = compat.dcp_metadata(str(sf.path))
-        except (OSError, RuntimeError, ValueError, pickle.UnpicklingError, EOFError) as e:
-            raise CheckpointError(f"{sf.path}: unreadable DCP .metadata ({_first_line(str(e))})", str(sf.path)) from e
+        metadata = compat.dcp_metadata(str(sf.path), trust_pickle)
         meta = compat.dcp_tensors(metadata)
         cache: dict[str, torch.Tensor] = {}
 
         def get(name: str) -> torch.Tensor:
             if name not in cache:
-                cache.update(compat.dcp_read(str(sf.path), {name: meta[name]}))
+                cache.update(compat.dcp_read(str(sf.path), {name: meta[name]}, trust_pickle, metadata))
             return cache[name]
         yield Tensors(meta, get, None)
 
@@ -336,11 +368,11 @@ _SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
                 "C64": torch.complex64, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
 
 
-def dcp_writers(sf: StateFile) -> dict[str, set[int]]:
+def dcp_writers(sf: StateFile, trust_pickle: bool = False) -> dict[str, set[int]]:
     """For a DCP folder: entry -> ranks whose files hold it."""
     from ._compat import torch as compat
 
-    return compat.dcp_writers(compat.dcp_metadata(str(sf.path)))
+    return compat.dcp_writers(compat.dcp_metadata(str(sf.path), trust_pickle))
 
 
 # -- writing ---------------------------------------------------------------------------------------------------------
@@ -368,22 +400,3 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def staging(beside: Path) -> Path:
-    """A fresh hidden folder next to ``beside`` (same file system, so the final rename is atomic)."""
-    folder = beside.parent / f".{beside.name}.zb-repair-{uuid.uuid4().hex[:8]}"
-    folder.mkdir()
-    return folder
-
-
-def swap_in(new: Path, old: Path) -> None:
-    """Replace folder ``old`` by ``new`` (two renames); if the second fails the first is undone."""
-    aside = old.parent / f".{old.name}.zb-old-{uuid.uuid4().hex[:8]}"
-    os.rename(old, aside)
-    try:
-        os.rename(new, old)
-    except BaseException:
-        os.rename(aside, old)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)

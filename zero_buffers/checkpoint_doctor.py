@@ -6,6 +6,7 @@ for the weights. The ``zero-buffers inspect | diff | repair`` commands call thes
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import os
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_files, _compare, _notice
+from . import _atomic_dir, _ckpt_copy, _ckpt_files, _compare, _notice
 from .errors import CheckpointError, InvalidArgumentError
 from .report import BufferReport, BufferRow
 
@@ -137,7 +138,10 @@ class CheckpointReport:
 @dataclass(frozen=True)
 class RepairResult:
     """What :func:`repair_checkpoint` wrote: ``merged`` BatchNorm layers (exact mixture), ``from_src`` buffers
-    that now hold rank ``src``'s values, ``rewritten`` rank files (the rest of the folder was copied as bytes)."""
+    that now hold rank ``src``'s values, ``rewritten`` rank files (the rest of the folder was copied as bytes).
+    ``written`` is False for an in-place repair that found every buffer identical on every rank (nothing on disk
+    changed); ``recovered`` says what was cleaned up or restored of an earlier, interrupted repair first;
+    ``notes``: links resolved or replaced."""
 
     path: str
     out: str
@@ -150,12 +154,31 @@ class RepairResult:
     from_src: tuple[str, ...]
     rewritten: tuple[str, ...]
     copied: int
+    written: bool = True
+    recovered: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        """Whether any buffer differed across the ranks (and so was merged or taken from ``src``)."""
+        return bool(self.merged or self.from_src)
 
     def format(self) -> str:
-        return (f"{self.out}: repaired copy of {self.path} ({self.kind}, {self.ranks} ranks, policy {self.policy!r}"
+        lines = list(self.recovered)
+        what = f"{self.kind}, {self.ranks} ranks"
+        if not self.changed and not self.written:
+            lines.append(f"{self.out}: nothing to repair: every buffer is bitwise identical on all {self.ranks} ranks "
+                         f"({what}); nothing was written")
+        elif not self.changed:
+            lines.append(f"{self.out}: copy of {self.path} ({what}): nothing to repair, every buffer is bitwise "
+                         f"identical on all ranks, so every file was copied as bytes ({self.copied})")
+        else:
+            lines.append(
+                f"{self.out}: repaired copy of {self.path} ({what}, policy {self.policy!r}"
                 f"{f', src {self.src}' if self.policy == 'broadcast' or self.from_src else ''}): "
                 f"{len(self.merged)} BatchNorm layer(s) merged, {len(self.from_src)} buffer(s) from rank {self.src}, "
                 f"{len(self.rewritten)} rank file(s) rewritten and verified, {self.copied} other file(s) copied")
+        return "\n".join(lines + [f"  {n}" for n in self.notes])
 
 
 # -- reading and comparing -------------------------------------------------------------------------------------------
@@ -299,14 +322,20 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     atol = _atol(atol)
     patterns = _patterns(only)
     _trust(trust_pickle)
-    layouts = [_ckpt_files.locate(p, tag) for p in (path, *more)]
+    leftovers = [plan.warning(str(p)) for p in (path, *more) for plan in _atomic_dir.plans(Path(p))]
+    try:
+        layouts = [_ckpt_files.locate(p, tag, trust_pickle) for p in (path, *more)]
+    except CheckpointError as e:
+        if leftovers:  # the checkpoint may be missing because a repair was interrupted: say so
+            raise CheckpointError(f"{e}. WARNING: " + " WARNING: ".join(leftovers), e.path) from e
+        raise
     sources = _sources(layouts)
     for s in sources:
         if verify or (verify is None and s.file.format == "torch" and s.file.path.is_file()
                       and s.file.path.stat().st_size <= _VERIFY_BYTES):
             _ckpt_files.check_crc(s.file)
     same = len(layouts) == 1 and layouts[0].per_rank
-    warnings: list[str] = []
+    warnings: list[str] = list(leftovers)
     with _opened(sources, trust_pickle, progress) as views:
         names, partial = _common_names(sources, views, same)
         recorded = all(v.buffer_names is not None for v in views)
@@ -328,7 +357,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         counters = tuple(_counter_range(v, [p + "num_batches_tracked" for p, c in layers.items() if c])
                          for v in views)
         if any(lay.kind == "torch DCP" for lay in layouts):
-            warnings += _dcp_warnings(layouts, layers)
+            warnings += _dcp_warnings(layouts, layers, trust_pickle)
     kinds: dict[str, int] = {}
     for n in names:
         kinds[_kind_of(n)] = kinds.get(_kind_of(n), 0) + 1
@@ -346,13 +375,13 @@ def _counter_range(view: _ckpt_files.Tensors, names: Sequence[str]) -> tuple[int
     return (min(values), max(values)) if values else None
 
 
-def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool]) -> list[str]:
+def _dcp_warnings(layouts: Sequence[_ckpt_files.Layout], layers: dict[str, bool], trust_pickle: bool) -> list[str]:
     """Which ranks wrote each BatchNorm layer's statistics in a DCP folder; a warning when they mix."""
     out = []
     for lay in layouts:
         if lay.kind != "torch DCP":
             continue
-        writers = _ckpt_files.dcp_writers(lay.files[0])
+        writers = _ckpt_files.dcp_writers(lay.files[0], trust_pickle)
         if not writers:
             out.append(f"{lay.path}: DCP keeps one copy of each replicated entry from whichever rank its planner "
                        "picks, and this folder does not say which: its BatchNorm statistics may mix ranks")
@@ -411,14 +440,18 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     ``policy="average"``: each BatchNorm layer's statistics become the exact mixture of the ranks'
     (``average_bn_stats``' float64 merge, weighted by ``num_batches_tracked``, its spread term included;
     the counters summed); every other buffer that differs takes rank ``src``'s value. ``"broadcast"``:
-    every buffer takes rank ``src``'s. Works on DeepSpeed ZeRO-3 folders (every rank's model-states
-    file is rewritten, so ``engine.load_checkpoint`` on every rank and ``zero_to_fp32`` both see the
-    repaired values; optimizer files and the rest are copied as bytes) and on folders of per-rank
-    ``.pt`` / ``.bin`` / ``.safetensors`` files. Nothing is written into ``path``: the copy is built in a
-    hidden folder beside ``out`` (or beside the input with ``in_place=True``), after every input rank file
-    passed its CRC-32 check (``.pt`` archives); every rewritten file is re-read and checked, then the folder
-    is renamed into place (``in_place`` swaps it for the input folder and rolls back if the swap fails).
-    On any failure, a full disk included, nothing is left behind and the input is unchanged;
+    every buffer takes rank ``src``'s. A layer or buffer already bitwise identical on every rank is left
+    alone, so repairing a repaired checkpoint changes nothing (in place: nothing is written at all). Works on
+    DeepSpeed ZeRO-3 folders (every rank's model-states file is rewritten, so ``engine.load_checkpoint`` on
+    every rank and ``zero_to_fp32`` both see the repaired values; optimizer files and the rest are copied as
+    bytes) and on folders of per-rank ``.pt`` / ``.bin`` / ``.safetensors`` files. Nothing is written into
+    ``path``: the copy is built in a hidden folder beside ``out`` (or beside the input with ``in_place=True``),
+    after every input rank file passed its CRC-32 check (``.pt`` archives); every rewritten file is re-read
+    and checked, every file and folder fsynced, then the folder is renamed into place (``in_place``
+    exchanges it with the input folder in one atomic step, journaled; through a link, the folder the link
+    points to is repaired). A crash at any point leaves the old or the new checkpoint whole; what it left
+    beside is cleaned up or restored by the next repair of ``path`` (:func:`recover_checkpoint` does only
+    that). On any failure, a full disk included, nothing is left behind and the input is unchanged;
     :class:`CheckpointError` says what failed where.
 
     Example::
@@ -429,54 +462,73 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
         raise InvalidArgumentError(f"policy must be one of {_POLICIES}, got {policy!r}")
     if (out is None) == (not in_place):
         raise InvalidArgumentError("give exactly one of out=... and in_place=True")
-    lay = _ckpt_files.locate(path, tag)
+    _trust(trust_pickle)
+    recovered = _atomic_dir.recover(Path(path))
+    lay = _ckpt_files.locate(path, tag, trust_pickle)
     if not lay.per_rank:
         raise CheckpointError(f"{lay.path}: a {lay.kind} checkpoint holds one copy of each buffer "
                               f"({lay.notes[0] if lay.notes else 'not per rank'}): nothing to repair", str(lay.path))
     n = len(lay.files)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
         raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
-    _trust(trust_pickle)
-    target = _destination(lay, out, in_place)
+    target, notes = _destination(lay, out, in_place)
+    recovered += _atomic_dir.recover(target)  # beside a linked tag folder, or an -o output's staging folders
+    _ckpt_copy.refuse_specials(lay.unit)
     for f in _bar(lay.files, "checking", progress):  # the copy must not carry a corrupt input along
         _ckpt_files.check_crc(f)
     sources = _sources([lay])
     with _opened(sources, trust_pickle, progress) as views:
         names, _ = _common_names(sources, views, True)
         values, merged, from_src = _repaired_values(views, names, policy, src)
-        try:
-            stage = _ckpt_files.staging(lay.unit if in_place else target)
-        except OSError as e:
-            raise CheckpointError(f"cannot create a folder beside {lay.unit if in_place else target}: {e}; "
-                                  "nothing was written", str(target)) from e
-        try:
-            unit = stage if in_place or lay.unit == lay.path else stage / lay.unit.name
-            rewritten, copied = _write_copy(lay, views, values, unit, stage, in_place, trust_pickle, progress)
-            if in_place:
-                _ckpt_files.swap_in(stage, lay.unit)
-            else:
-                os.rename(stage, target)
-        except (_WriteFailed, *_ckpt_files.write_errors()) as e:  # type: ignore[misc]
-            shutil.rmtree(stage, ignore_errors=True)
-            if isinstance(e, CheckpointError):
-                raise
-            file, cause = (e.file, e.error) if isinstance(e, _WriteFailed) else (target, e)
-            raise CheckpointError(f"repairing {lay.path} failed while writing {file.name}: {type(cause).__name__}: "
-                                  f"{_first(cause)} (a full disk or a file size limit?); the input is unchanged and "
-                                  f"nothing was written to {target}", str(file)) from cause
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
+        result = RepairResult(str(lay.path), str(lay.unit if in_place else target),
+                              lay.kind, lay.tag, n, policy, src, tuple(merged), tuple(from_src), (), 0, False,
+                              tuple(recovered), tuple(notes))
+        if in_place and not values:
+            return result  # every buffer identical on every rank: nothing on disk changes
+        with _atomic_dir.locked(target.parent):
+            rewritten, copied, more = _write(lay, views, values, target, in_place, trust_pickle, progress)
+    return dataclasses.replace(result, rewritten=tuple(rewritten), copied=copied, written=True,
+                               notes=tuple(notes + more))
+
+
+def recover_checkpoint(path: _PathLike) -> tuple[str, ...]:
+    """Clean up or restore what an interrupted :func:`repair_checkpoint` of ``path`` left beside it (or inside it,
+    for a DeepSpeed root), and nothing else: returns what was done, in words (empty when nothing was left).
+    ``checkpoint_report`` warns about such leftovers; every repair of ``path`` does this first.
+    CheckpointError when the leftovers do not say what happened (then nothing is touched)."""
+    return tuple(_atomic_dir.recover(Path(path)))
+
+
+def _write(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values: dict[str, torch.Tensor],
+           target: Path, in_place: bool, trust_pickle: bool, progress: bool | None) -> tuple[list[str], int, list[str]]:
+    """Build the copy in a staging folder beside ``target`` and put it in place (a new folder, or exchanged with
+    the input's); on failure remove it and raise CheckpointError."""
+    stage = target.parent / _atomic_dir.stage_name(target.name)
+    try:
+        stage.mkdir()
+    except OSError as e:
+        raise CheckpointError(f"cannot create a folder beside {target}: {e}; nothing was written", str(target)) from e
+    try:
+        unit = stage if in_place or lay.unit == lay.path else stage / lay.unit.name
+        done = _ckpt_copy.write_copy(lay, views, values, unit, stage, in_place, trust_pickle,
+                                     lambda items, what: _bar(items, what, progress))
+        if in_place:
+            _atomic_dir.swap(stage, target)
+        else:
+            _atomic_dir.put_new(stage, target)
+    except BaseException as e:
+        if _atomic_dir.journal_path(target).exists():  # the swap had begun: the journal settles it, not us
+            raise CheckpointError(f"repairing {lay.path} in place stopped during the swap ({type(e).__name__}: "
+                                  f"{_first(e)}); `zero-buffers repair {lay.path} --recover` restores a whole "
+                                  "checkpoint", str(target)) from e
+        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, CheckpointError) or not isinstance(e, (_ckpt_copy.WriteFailed, *_ckpt_files.write_errors())):
             raise
-    return RepairResult(str(lay.path), str(target), lay.kind, lay.tag, n, policy, src, tuple(merged),
-                        tuple(from_src), tuple(rewritten), copied)
-
-
-class _WriteFailed(Exception):
-    """A writer's exception (OSError, torch's RuntimeError, SafetensorError) and the file it was writing."""
-
-    def __init__(self, file: Path, error: BaseException):
-        super().__init__(str(error))
-        self.file, self.error = file, error
+        file, cause = (e.file, e.error) if isinstance(e, _ckpt_copy.WriteFailed) else (target, e)
+        raise CheckpointError(f"repairing {lay.path} failed while writing {file.name}: {type(cause).__name__}: "
+                              f"{_first(cause)} (a full disk or a file size limit?); the input is unchanged and "
+                              f"nothing was written to {target}", str(file)) from cause
+    return done
 
 
 def _first(e: BaseException) -> str:
@@ -484,12 +536,19 @@ def _first(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool) -> Path:
-    """Where the repaired copy goes; refuses an existing output or one inside the input."""
+def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool) -> tuple[Path, list[str]]:
+    """Where the repaired copy goes, and notes; refuses an existing output, a link, or one inside the input. In
+    place, the folder itself, links resolved: the folder a link points to is repaired and the link kept."""
     if in_place:
-        return lay.unit
+        real = lay.unit.resolve()
+        notes = [] if real == lay.unit.absolute() else [f"{lay.unit} is reached through a link: repaired the "
+                                                        f"folder it points to, {real}; the link is unchanged"]
+        return real, notes
     assert out is not None
     target = Path(out)
+    if target.is_symlink():
+        raise CheckpointError(f"{target}: the output is a symbolic link (to {os.readlink(target)}); name a new folder",
+                              str(target))
     if target.exists():
         raise CheckpointError(f"{target}: the output already exists; name a new folder (or --in-place)", str(target))
     inp = lay.path.resolve()
@@ -501,16 +560,20 @@ def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool)
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"{target}: cannot create its parent folder: {e}", str(target)) from e
-    return target
+    return target, []
 
 
 def _repaired_values(views: Sequence[_ckpt_files.Tensors], names: Sequence[str], policy: str, src: int
                      ) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
-    """The value every rank gets, for each buffer that is not already identical everywhere."""
+    """The value every rank gets, for each buffer that is not already identical everywhere (a BatchNorm layer whose
+    statistics are bitwise identical on every rank is not merged again: a repair of a repaired checkpoint changes
+    nothing)."""
     values: dict[str, torch.Tensor] = {}
     merged: list[str] = []
     if policy == "average":
         for prefix, counted in _bn_layers(names).items():
+            if all(_identical(views, prefix + s) for s in _STATS[:2 + counted]):
+                continue
             stats = _mixture(views, prefix, counted)
             if stats is not None:
                 values.update(stats)
@@ -519,11 +582,16 @@ def _repaired_values(views: Sequence[_ckpt_files.Tensors], names: Sequence[str],
     for name in names:
         if name in values:
             continue
-        tensors = [v.get(name) for v in views]
-        if not all(_compare.bitwise_equal(t, tensors[0]) for t in tensors[1:]):
-            values[name] = tensors[src].clone()
+        if not _identical(views, name):
+            values[name] = views[src].get(name).clone()
             from_src.append(name)
     return values, merged, from_src
+
+
+def _identical(views: Sequence[_ckpt_files.Tensors], name: str) -> bool:
+    """Whether every rank's copy of ``name`` is bitwise identical to rank 0's."""
+    ref = views[0].get(name)
+    return all(_compare.bitwise_equal(v.get(name), ref) for v in views[1:])
 
 
 def _mixture(views: Sequence[_ckpt_files.Tensors], prefix: str, counted: bool) -> dict[str, torch.Tensor] | None:
@@ -543,63 +611,3 @@ def _mixture(views: Sequence[_ckpt_files.Tensors], prefix: str, counted: bool) -
     if counted:
         out[count_k] = torch.tensor(round(total), dtype=ref.get(count_k).dtype)
     return out
-
-
-def _write_copy(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values: dict[str, torch.Tensor],
-                unit: Path, stage: Path, in_place: bool, trust_pickle: bool, progress: bool | None
-                ) -> tuple[list[str], int]:
-    """Fill ``unit`` (inside ``stage``): rank files rewritten and verified, everything else copied as bytes."""
-    unit.mkdir(exist_ok=True)
-    ranks = {f.path.name: (f, v) for f, v in zip(lay.files, views)}
-    rewritten: list[str] = []
-    copied = 0
-    for entry in _bar(sorted(lay.unit.iterdir()), "writing", progress):
-        try:
-            copied += _write_entry(entry, unit / entry.name, ranks, values, rewritten, lay, trust_pickle)
-        except _ckpt_files.write_errors() as e:
-            if isinstance(e, CheckpointError):
-                raise
-            raise _WriteFailed(unit / entry.name, e) from e
-    if not in_place and unit != stage:  # a DeepSpeed root: its own files (latest, zero_to_fp32.py), this tag only
-        for entry in sorted(lay.path.iterdir()):
-            if entry.is_file():
-                if entry.name == "latest":
-                    (stage / "latest").write_text(str(lay.tag))
-                else:
-                    shutil.copy2(entry, stage / entry.name)
-                copied += 1
-    return rewritten, copied
-
-
-def _write_entry(entry: Path, dest: Path, ranks: dict[str, tuple[_ckpt_files.StateFile, _ckpt_files.Tensors]],
-                 values: dict[str, torch.Tensor], rewritten: list[str], lay: _ckpt_files.Layout, trust_pickle: bool
-                 ) -> int:
-    """Rewrite (and verify) one rank file, or copy any other entry; returns 1 for a copy."""
-    if entry.name in ranks:
-        sf, view = ranks[entry.name]
-        mine = {k: t for k, t in values.items() if not _compare.bitwise_equal(view.get(k), t)}
-        if mine:
-            _ckpt_files.rewrite(sf, dest, mine, trust_pickle)
-            _verify(sf, dest, view, values, trust_pickle)
-            rewritten.append(str(sf.path.relative_to(lay.path) if sf.path.is_relative_to(lay.path) else sf.path.name))
-            return 0
-    if entry.is_dir():
-        shutil.copytree(entry, dest)
-    else:
-        shutil.copy2(entry, dest)
-    return 1
-
-
-def _verify(sf: _ckpt_files.StateFile, written: Path, before: _ckpt_files.Tensors, values: dict[str, torch.Tensor],
-            trust_pickle: bool) -> None:
-    """Re-read a rewritten file: the repaired entries hold the new values, every other entry its old bytes."""
-    again = _ckpt_files.StateFile(written, sf.label, sf.rank, sf.format, sf.inner)
-    with _ckpt_files.open_tensors(again, trust_pickle) as view:
-        if set(view.meta) != set(before.meta):
-            raise CheckpointError(f"{written}: re-read after writing, it holds other entries than {sf.path}",
-                                  str(written))
-        for k in view.meta:
-            want = values[k] if k in values else before.get(k)
-            if not _compare.bitwise_equal(view.get(k), want):
-                raise CheckpointError(f"{written}: re-read after writing, {k} does not hold what was written",
-                                      str(written))

@@ -156,7 +156,10 @@ def _doctor_parsers(sub: Any) -> None:
     rp = sub.add_parser("repair", parents=[common], help="write a copy where every rank holds the same buffers")
     rp.add_argument("path")
     rp.add_argument("-o", "--out", help="new folder for the repaired copy (must not exist)")
-    rp.add_argument("--in-place", action="store_true", help="replace the input folder (atomically, with rollback)")
+    rp.add_argument("--in-place", action="store_true",
+                    help="replace the input folder (one atomic exchange; a crash leaves the old or the new one)")
+    rp.add_argument("--recover", action="store_true",
+                    help="only clean up or restore what an interrupted repair of PATH left beside it, then stop")
     rp.add_argument("--policy", choices=["average", "broadcast"], default="average",
                     help="average: exact mixture of BatchNorm statistics, other buffers from --src (default); "
                          "broadcast: every buffer from --src")
@@ -166,16 +169,25 @@ def _doctor_parsers(sub: Any) -> None:
 def doctor(args: argparse.Namespace) -> int:
     """Run inspect / diff / repair: exit 0 when all agree (or the repair is written), 1 when buffers differ,
     2 when a checkpoint cannot be read or repaired."""
-    from .checkpoint_doctor import checkpoint_report, repair_checkpoint
+    from .checkpoint_doctor import checkpoint_report, recover_checkpoint, repair_checkpoint
     from .errors import ZeroBuffersError
 
     common = {"tag": args.tag, "trust_pickle": args.trust_pickle, "progress": args.progress}
     if args.command != "repair":
         common["verify"] = args.verify
     try:
+        if args.command == "repair" and args.recover:
+            if args.out is not None or args.in_place:
+                print("zero-buffers repair: --recover does no repair; give it without -o and --in-place",
+                      file=sys.stderr)
+                return 2
+            done = recover_checkpoint(args.path)
+            print("\n".join(done) if done else f"{args.path}: nothing to recover (no leftovers of an interrupted "
+                                                "repair beside or inside it)")
+            return 0
         if args.command == "repair":
             if (args.out is None) == (not args.in_place):
-                print("zero-buffers repair: give exactly one of -o OUT and --in-place", file=sys.stderr)
+                print("zero-buffers repair: give exactly one of -o OUT and --in-place (or --recover)", file=sys.stderr)
                 return 2
             print(repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src, in_place=args.in_place,
                                     **common).format())

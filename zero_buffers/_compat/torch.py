@@ -2,13 +2,20 @@
 FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh."""
 from __future__ import annotations
 
+import builtins
+import collections
 import contextlib
 import ctypes
+import functools
 import importlib
+import io
+import math
+import pathlib
+import pickle
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -86,16 +93,156 @@ def to_bytes(t: torch.Tensor) -> bytes:
 
 
 # -- torch.distributed.checkpoint (DCP), read offline --------------------------------------------------------------
+# DCP's .metadata is a plain pickle and FileSystemReader.read_metadata loads it with pickle.load: a folder someone
+# else wrote could run code. Here it is unpickled by an allowlist of exactly what torch's DCP metadata is made of
+# (checked by pickling real metadata: tests/doctor/test_hostile_files.py), and dcp.load gets a reader that uses it.
 _DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # FileSystemWriter names each rank's file __{rank}_{n}.distcp
+_DCP_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
 
 
-def dcp_metadata(path: str) -> Any:
-    """The ``.metadata`` of a DCP folder (``FileSystemReader.read_metadata``)."""
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle names a Python object outside the allowlist (``qualname``); nothing of it ran."""
+
+    def __init__(self, qualname: str, why: str = "not part of DCP's metadata"):
+        super().__init__(f"{qualname}: {why}")
+        self.qualname = qualname
+        self.why = why
+
+
+@functools.cache
+def _dcp_classes() -> dict[tuple[str, str], Any]:
+    """(module, name) -> object, for every global torch's DCP metadata pickles refer to, and only those."""
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-    except ImportError as e:  # pragma: no cover - every torch zero_buffers supports has it
-        raise missing("torch", "torch.distributed.checkpoint.FileSystemReader", str(e)) from e
-    return FileSystemReader(path).read_metadata()
+        from torch.distributed.checkpoint import filesystem, metadata
+        allowed: dict[tuple[str, str], Any] = {
+            ("torch.distributed.checkpoint.metadata", n): getattr(metadata, n) for n in _DCP_METADATA_CLASSES}
+        allowed["torch.distributed.checkpoint.filesystem", "_StorageInfo"] = filesystem._StorageInfo
+    except (ImportError, AttributeError) as e:
+        raise missing("torch", "torch.distributed.checkpoint.metadata's classes (" + ", ".join(_DCP_METADATA_CLASSES)
+                      + ") and filesystem._StorageInfo", str(e)) from e
+    return allowed
+
+
+@functools.cache
+def _dcp_globals() -> dict[tuple[str, str], Any]:
+    """The allowlist: DCP's classes, torch.Size, dtypes, layouts (pickled through torch.serialization._get_layout,
+    answered here by name lookup), memory formats, the paths ``checkpoint_id`` may be, two builtin containers."""
+    allowed = dict(_dcp_classes())
+    allowed["torch", "Size"] = torch.Size
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed["torch", name] = value
+    allowed["torch.serialization", "_get_layout"] = _layout_named
+    allowed.update({("pathlib", n): getattr(pathlib, n) for n in ("PosixPath", "PurePosixPath", "PureWindowsPath")})
+    allowed["pathlib", "WindowsPath"] = pathlib.PureWindowsPath  # a checkpoint_id saved on Windows, read here
+    allowed.update({("builtins", n): getattr(builtins, n) for n in ("set", "frozenset")})
+    allowed["collections", "OrderedDict"] = collections.OrderedDict
+    return allowed
+
+
+def _layout_named(name: str) -> torch.layout:
+    """What ``torch.serialization._get_layout`` returns for a layout's name (``"torch.strided"``), nothing else."""
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    if not isinstance(name, str) or name not in layouts:
+        raise RefusedGlobal(f"torch.serialization._get_layout({name!r})", "not a torch layout")
+    return layouts[name]
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler with every global looked up in the allowlist and BUILD applied only to instances of
+    DCP's own classes (never to a class: that would rewrite it for the rest of the process)."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _dcp_globals().get((module, name))
+        if found is None:
+            raise RefusedGlobal(f"{module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedGlobal("a persistent id", "DCP's metadata has none")
+
+    def load_build(self) -> None:
+        inst = self.stack[-2]  # type: ignore[attr-defined]
+        if type(inst) not in set(_dcp_classes().values()):
+            raise RefusedGlobal(f"state set on {type(inst).__name__}", "only DCP's own classes carry state")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def dcp_metadata(path: str, trust_pickle: bool = False) -> Any:
+    """The ``.metadata`` of a DCP folder, unpickled by the allowlist (or, with ``trust_pickle``, by ``pickle``), and
+    checked: each entry's data lies in a regular file of the folder, inside it, and every tensor declares no more
+    bytes than its files hold. CheckpointError naming the file otherwise."""
+    from .. import _file_checks
+    from ..errors import CheckpointError
+
+    file = pathlib.Path(path) / ".metadata"
+    _file_checks.expect_kind(file, ("pickle",), "DCP's metadata (a pickle)")
+    data = _file_checks.read_small(file, _METADATA_BYTES)
+    try:
+        metadata = pickle.loads(data) if trust_pickle else _MetadataUnpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as e:
+        raise CheckpointError(f"{file}: holds {e.qualname} ({e.why}), which the allowlist for DCP's metadata "
+                              f"(torch {torch.__version__}) refuses to unpickle; nothing of it ran. Only if you trust "
+                              "this folder: --trust-pickle (trust_pickle=True)", str(file)) from e
+    except Exception as e:  # whatever a damaged or foreign pickle raises, the file is at fault
+        raise _file_checks.unpickling_failed(file, e, trust_pickle) from e
+    _check_dcp(pathlib.Path(path), file, metadata)
+    return metadata
+
+
+_METADATA_BYTES = 2 ** 30  # far beyond what DCP writes for the largest models (about 200 bytes per tensor chunk)
+
+
+def _check_dcp(folder: pathlib.Path, file: pathlib.Path, metadata: Any) -> None:
+    """Every storage entry names a regular file in ``folder`` (one path component) and lies inside it, none is
+    stored through a DCP extension (compression), and no tensor declares more bytes than its entries hold."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from .. import _file_checks
+    from ..errors import CheckpointError
+
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: {what}; not read", str(file))
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise refuse(f"holds a {type(metadata).__name__}, not DCP's Metadata")
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise refuse("its storage_data (where each entry's data lies) is missing")
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for index, info in storage.items():
+        rel, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
+        fqn = getattr(index, "fqn", None)
+        if not isinstance(rel, str) or not isinstance(offset, int) or not isinstance(length, int) \
+                or not isinstance(fqn, str):
+            raise refuse(f"a storage entry of the wrong shape ({type(info).__name__})")
+        if rel in ("", ".", "..") or "/" in rel or "\\" in rel or "\0" in rel:
+            raise refuse(f"entry {fqn!r} names the file {rel!r}, which is not a file name inside the folder")
+        if getattr(info, "transform_descriptors", None):
+            raise refuse(f"entry {fqn!r} is stored through DCP extension(s) {list(info.transform_descriptors)} "
+                         "(compression ...), which the doctor does not decode")
+        if rel not in sizes:
+            sizes[rel] = _file_checks.regular(folder / rel)
+        if offset < 0 or length < 0 or offset + length > sizes[rel]:
+            raise refuse(f"entry {fqn!r} declares bytes {offset}..{offset + length} of {rel}, which has "
+                         f"{sizes[rel]} bytes")
+        stored[fqn] = stored.get(fqn, 0) + length
+    for name, m in metadata.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        dtype, shape = getattr(m.properties, "dtype", None), m.size
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, torch.Size) or any(d < 0 for d in shape):
+            raise refuse(f"entry {name!r} declares no valid dtype and shape")
+        need = math.prod(shape) * dtype.itemsize
+        if need > stored.get(name, 0):
+            raise refuse(f"entry {name!r} declares {need} bytes ({dtype} {list(shape)}) but its files hold "
+                         f"{stored.get(name, 0)}")
 
 
 def dcp_tensors(metadata: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -121,17 +268,91 @@ def dcp_writers(metadata: Any) -> dict[str, set[int]]:
     return out
 
 
-def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    """Load ``entries`` of a DCP folder into fresh CPU tensors, in this process (``no_dist=True``)."""
-    import torch.distributed.checkpoint as dcp
+@functools.cache
+def _checked_reader() -> type:
+    """``FileSystemReader`` whose ``read_metadata`` (what ``dcp.load`` calls) returns metadata :func:`dcp_metadata`
+    read and checked, never unpickling the file itself, and whose ``_slice_file`` (private: one entry's bytes, which
+    DCP hands to ``torch.load``) checks the entry's zip layout first."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import StorageMeta
+    except ImportError as e:  # pragma: no cover - every torch zero_buffers supports has it
+        raise missing("torch", "torch.distributed.checkpoint.FileSystemReader", str(e)) from e
+    if not callable(getattr(FileSystemReader, "_slice_file", None)):
+        raise missing("torch", "FileSystemReader._slice_file (one entry's bytes of a .distcp file)")
 
+    class CheckedReader(FileSystemReader):
+        checked: Any = None
+
+        def read_metadata(self) -> Any:  # no **kwargs: dcp.load then never asks for a rank's own .metadata
+            metadata = self.checked
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            from .. import _file_checks
+            from ..errors import CheckpointError
+
+            where = f"{pathlib.Path(self.path) / sinfo.relative_path} (bytes {sinfo.offset}..)"
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            if len(data) != sinfo.length:
+                raise CheckpointError(f"{where}: {len(data)} of the {sinfo.length} bytes declared", where)
+            view = io.BytesIO(data)
+            _file_checks.check_zip(view, len(data), where)
+            view.seek(0)
+            return view
+    return CheckedReader
+
+
+def dcp_read(path: str, entries: dict[str, tuple[torch.dtype, tuple[int, ...]]], trust_pickle: bool = False,
+             metadata: Any = None) -> dict[str, torch.Tensor]:
+    """Load ``entries`` of a DCP folder into fresh CPU tensors, in this process (``no_dist=True``), through the
+    checked reader, with ``metadata`` from :func:`dcp_metadata` (read here when not given). Whatever fails is a
+    CheckpointError naming the folder (DCP wraps its readers' errors in a ``CheckpointException``, a
+    BaseException: unwrapped here)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ..errors import CheckpointError
+
+    checked = metadata if metadata is not None else dcp_metadata(path, trust_pickle)
     out = {name: torch.empty(shape, dtype=dtype) for name, (dtype, shape) in entries.items()}
-    if out:
+    if not out:
+        return out
+    reader = _checked_reader()(path)
+    reader.checked = checked
+    held = sorted({info.relative_path for index, info in checked.storage_data.items() if index.fqn in out})
+    where = str(pathlib.Path(path) / held[0]) if held else path
+    try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ... single process"
-            dcp.load(out, checkpoint_id=path, no_dist=True)
+            dcp.load(out, storage_reader=reader, no_dist=True)
+    except CheckpointException as e:
+        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        known = next((c for c in causes if isinstance(c, CheckpointError)), None)
+        if known is not None:
+            raise known from e
+        raise CheckpointError(f"{where}: DCP could not read {', '.join(list(out)[:3])}: "
+                              f"{_reason(causes[0] if causes else e)}", where) from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged entry: the folder is at fault
+        raise CheckpointError(f"{where}: DCP could not read {', '.join(list(out)[:3])}: {_reason(e)}", where) from e
     return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why an entry could not be read (torch's weights_only refusal named by its global)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if "Weights only load failed" in text:
+        what = f"the Python object {found.group(1)}" if found else "Python objects"
+        return f"its data holds {what}, which weights_only=True refuses to unpickle"
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 # -- FSDP1 (FullyShardedDataParallel), FSDP2 (fully_shard), DTensor, DeviceMesh ------------------------------------
