@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import torch
 
-_CHUNK = 1 << 17  # elements compared at a time: the float64 temporaries stay a few MiB whatever the buffer size
+_CHUNK = 1 << 15  # elements compared at a time: the float64 temporaries stay under 1 MiB whatever the buffer size
 
 
 def blocks(t: torch.Tensor, limit: int) -> Iterator[torch.Tensor]:
