@@ -245,7 +245,12 @@ class GatheredParametersAndBuffers:
     A context that overlaps an outer one on the same parameters raises, as DeepSpeed does.
 
     * ``modifier_rank=r`` (a rank within ``group``): on exit the gathered parameters, and the buffers
-      and plain (non-ZeRO) parameters of the modules given, take rank r's values on every rank. All or
+      and plain (non-ZeRO) parameters of the modules given, take rank r's values on every rank. Parameters
+      given find their modules (a ``module.parameters()`` generator names ``module``; else the record
+      ``install()`` / ``Init`` keep, ``fwd_module``, a search of the heap): a module every parameter of
+      which was given counts as given (its whole tree), an owner given some of its parameters brings its
+      own buffers and its parameter-free submodules'. Ranks that find different owners raise
+      BufferStructureError on entering; a ZeRO parameter no module registers warns on every rank. All or
       nothing: if the body raised on any rank, or a rank cannot take part, no rank keeps any change:
       ZeRO parameters are re-partitioned with their values from before; buffers and plain parameters
       get back their values (and dtype, device, shape) from a host copy taken on enter, and every
