@@ -170,7 +170,7 @@ class _Commit:
             _transaction.abort_if_any(self.g, [s for s, _ in votes], failure, deadline, _FN,
                                       "entering failed", "nothing was gathered")
             if self.found is not None and self.found.unowned:  # agreed: every rank found no owner for the same ones
-                _notice.warn(_no_owner_text(self.found.unowned, self.src), stacklevel=5)
+                _notice.warn(_no_owner_text(self.found.unowned, self.src), stacklevel=4)
         if self.gather is not None:
             self.gather.__enter__()
             self.gathered = [(p, p.data) for p in self.zero]  # references: a rollback gives each its data back

@@ -1,5 +1,6 @@
 """Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
-FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh."""
+FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh, and
+the frame of a ``Module.parameters()`` generator (which module it walks)."""
 from __future__ import annotations
 
 import contextlib
