@@ -2,8 +2,8 @@
 that needs it, naming the package, its version and what is missing (never an AttributeError or KeyError later).
 
 * ``sync_buffers_on_save`` on a real DeepSpeed engine (built by ``deepspeed.initialize`` on two gloo ranks) whose
-  class lacks ``_zero3_consolidated_16bit_state_dict``, as an older DeepSpeed's would: DependencyError on every rank
-  at the call, nothing wrapped; the same engine with its own class still takes the hook;
+  class, a DeepSpeedEngine subclass, lacks ``_zero3_consolidated_16bit_state_dict`` as an older DeepSpeed's would:
+  DependencyError on every rank at the call, nothing wrapped; the same engine with its own class takes the hook;
 * patching a method a DeepSpeed class does not define itself (``install()`` replaces methods in class dicts);
 * zero.Init's module globals checked together (``zero_init_context``, ``top_level_context``);
 * a GatheredParameters context without the ``enabled`` flag its ``__init__`` sets;
@@ -29,7 +29,7 @@ DS_VERSION = importlib.metadata.version("deepspeed")
 
 
 class _Absent:
-    """A class attribute that reads as missing (hasattr is False), as on a version that never defined it."""
+    """A class attribute that reads as missing (``hasattr`` is False), as on a version that never defined it."""
 
     def __set_name__(self, owner, name):
         self.name = name
@@ -38,13 +38,16 @@ class _Absent:
         raise AttributeError(self.name)
 
 
-def _older_engine_class():
+def _engine_class_without(name: str) -> type:
+    """A DeepSpeedEngine subclass on which ``name`` is missing, as on a DeepSpeed that never defined it: the
+    attribute reads as absent and ``dir`` does not list it (DeepSpeed 0.16's ``__getattr__`` looks there)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    class DeepSpeedEngineWithout16bitStateDict(DeepSpeedEngine):
-        _zero3_consolidated_16bit_state_dict = _Absent()
+    def __dir__(self):
+        return [n for n in super(cls, self).__dir__() if n != name]
 
-    return DeepSpeedEngineWithout16bitStateDict
+    cls = type(DeepSpeedEngine.__name__, (DeepSpeedEngine,), {name: _Absent(), "__dir__": __dir__})
+    return cls
 
 
 def _engine_lacking(rank, world):
@@ -53,7 +56,8 @@ def _engine_lacking(rank, world):
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
                                       config=ZERO3_CONFIG)
     own = type(engine)
-    engine.__class__ = _older_engine_class()  # the real engine, as an older DeepSpeed's class would have it
+    engine.__class__ = _engine_class_without("_zero3_consolidated_16bit_state_dict")  # the real engine, as an older
+    # DeepSpeed's class would have it
     assert not hasattr(engine, "_zero3_consolidated_16bit_state_dict")
     outcome = None
     try:
