@@ -13,7 +13,8 @@ gives the objects the garbage collector tracks. Per heap size, the median over r
 - ``model.parameters()`` (the generator names its module: no search);
 - DeepSpeed's per-module loading walk (one call per module with its own parameters) with the index kept, and with
   it dropped before every call (what each call would cost without it);
-- a model built under ``zero_buffers.Init``, whose record knows every owner (no search).
+- a model built under ``zero_buffers.Init``, whose record knows every owner (no search): the whole list, and the
+  per-module walk.
 
 Writes ``results.json`` and ``results.md`` into the output folder (default ``benchmarks/results/owners``).
 """
@@ -105,10 +106,18 @@ def main(argv: list[str] | None = None) -> int:
                 _owners._invalidate()
                 _owners.find(ps, ids)
 
+        rec_walk = [({id(p) for p in m._parameters.values()}, sorted(m._parameters.values(), key=lambda p: p.ds_id))
+                    for m in recorded.modules() if m._parameters]
+
+        def walk_recorded() -> None:
+            for ids, ps in rec_walk:
+                _owners.find(ps, ids)
+
         rec_zero = sorted(recorded.parameters(), key=lambda p: p.ds_id)
         rec_given = {id(p) for p in rec_zero}
         scans = _owners.scans[0]
         _owners.find(rec_zero, rec_given)
+        walk_recorded()
         if _owners.scans[0] != scans:
             raise AssertionError("a model built under zero_buffers.Init needed a heap search")
         row = {
@@ -123,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        before=_owners._invalidate),
             f"per-module walk, {len(walk_ids)} calls, index kept": median_seconds(walk, max(1, repeats // 2),
                                                                                  before=_owners._invalidate),
+            f"per-module walk, {len(rec_walk)} calls, zero_buffers.Init record": median_seconds(
+                walk_recorded, max(1, repeats // 2), before=_owners._invalidate),
         }
         if args.quick or grow == 0:  # each call searching: only where the heap is small enough to wait for it
             row[f"per-module walk, {len(walk_ids)} calls, searching each"] = median_seconds(walk_uncached, 1)

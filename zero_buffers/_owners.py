@@ -119,7 +119,9 @@ def _heap_index() -> _Heap:
 
 # ---- the graph one call sees -------------------------------------------------------------------------------------
 class _Graph:
-    """Owners and parents known from whole trees walked now and, once searched, the heap index."""
+    """Owners and parents known from whole trees walked now, the record (each link looked up when asked: a
+    per-module loading walk costs each call its own modules, not the whole model) and, once searched, the heap
+    index."""
 
     def __init__(self) -> None:
         self.owners: dict[int, dict[int, nn.Module]] = {}
@@ -149,12 +151,18 @@ class _Graph:
 
     def owners_of(self, p: torch.Tensor) -> list[nn.Module]:
         found = {i: m for i, m in self.owners.get(id(p), {}).items() if _registers(m, "_parameters", p)}
+        recorded = recorded_owner(p) if ds_compat.is_zero_param(p) else None
+        if recorded is not None:
+            found.setdefault(id(recorded), recorded)
         if self.heap is not None:
             found.update((id(m), m) for m in self._live(self.heap.owners, p, "_parameters"))
         return list(found.values())
 
     def parents_of(self, module: nn.Module) -> list[nn.Module]:
         found = {i: m for i, m in self.parents.get(id(module), {}).items() if _registers(m, "_modules", module)}
+        recorded = recorded_parent(module)
+        if recorded is not None:
+            found.setdefault(id(recorded), recorded)
         if self.heap is not None:
             found.update((id(m), m) for m in self._live(self.heap.parents, module, "_modules"))
         return list(found.values())
@@ -217,17 +225,7 @@ def find(zero: Sequence[torch.Tensor], given: set[int], *, root: tuple[nn.Module
         graph.walk(root[0])
     if fwd_module is not None:
         graph.walk(fwd_module)
-    for p in zero:  # the record: walk each recorded owner's top (the module zero.Init built around it)
-        if not graph.owners_of(p):
-            top = recorded_owner(p)
-            while top is not None:
-                up = recorded_parent(top)
-                if up is None:
-                    break
-                top = up
-            if top is not None:
-                graph.walk(top)
-    if any(not graph.owners_of(p) for p in zero):
+    if any(not graph.owners_of(p) for p in zero):  # neither named, nor under fwd_module, nor in the record
         graph.heap = _heap_index()
 
     whole_cache: dict[int, list[int] | None] = {}
