@@ -7,7 +7,8 @@ zero.Init and GatheredParameters:
 
 * the generator form (world 2 and 4) and ``list(tokenizer.parameters())`` give every rank rank 0's buffers bit for
   bit, the root's own buffer and a parameter-free submodule's included, and equal outputs;
-* a model built under ``zero_buffers.Init`` is resolved from the record, without searching the heap;
+* a model built under ``zero_buffers.Init`` is resolved from the record, without searching the heap; the heap
+  search's index is kept until a module is registered anywhere, and the next call sees that module;
 * a generator of some layers' parameters syncs those layers' buffers and leaves the others (and the root's) alone;
 * a ZeRO parameter no module registers warns on every rank, naming what to pass, and its value is still committed;
 * owners found on one rank but not another raise BufferStructureError on every rank, nothing changed, no hang.
@@ -121,6 +122,43 @@ def test_incident_list_form_finds_the_owners(ranks2, form):
     """list(tokenizer.parameters()): owners found by a heap search under plain zero.Init, from the record under
     zero_buffers.Init; the root's buffer and the parameter-free BatchNorm belong to the sync as well."""
     check_incident(ranks2.run(_incident, form, timeout=120), form)
+
+
+class Wrapper(nn.Module):
+    """A parameter-free wrapper with a buffer of its own: every parameter of it is the tokenizer's."""
+
+    def __init__(self, tok: nn.Module):
+        super().__init__()
+        self.tok = tok
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+
+
+def _index_kept_until_a_registration(rank, world):
+    tok = build(rank)
+    searches = []
+
+    def commit(step: int, wrapper: Wrapper | None = None) -> None:
+        start = heap_searches()
+        with zb.GatheredParametersAndBuffers(list(tok.parameters()), modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    for t in (tok.scale, *([wrapper.step] if wrapper is not None else [])):
+                        t.fill_(step)
+        searches.append(heap_searches() - start)
+
+    commit(1)
+    commit(2)  # nothing registered since: the index is kept
+    wrapper = Wrapper(tok)  # a registration anywhere: the next call searches again, and finds the new parent
+    commit(3, wrapper)
+    return searches, float(tok.scale[0]), int(wrapper.step)
+
+
+def test_the_heap_index_is_kept_until_a_module_is_registered_anywhere(ranks2):
+    """A per-module loading walk searches once; a module registered since (a wrapper around the tokenizer, all of
+    whose parameters are the tokenizer's) is seen by the next call, its buffer committed with the rest."""
+    for rank, (searches, scale, step) in enumerate(ranks2.run(_index_kept_until_a_registration, timeout=120)):
+        assert scale == 3.0 and step == 3, (rank, scale, step)
+        assert searches == [1, 0, 1], (rank, searches)
 
 
 def _some_layers(rank, world):
