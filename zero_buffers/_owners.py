@@ -104,7 +104,10 @@ def _heap_index() -> _Heap:
     for m in modules:
         if m.__dict__.get("_zb_box"):  # zero_buffers' own holder of a list of modules: not the user's tree
             continue
-        ref = weakref.ref(m)
+        try:
+            ref = weakref.ref(m)
+        except TypeError:  # a subclass with __slots__ and no __weakref__: not indexed
+            continue
         for p in _table(m, "_parameters").values():
             if p is not None:
                 index.owners.setdefault(id(p), []).append(ref)

@@ -163,8 +163,8 @@ def engine_save_methods(engine: Any) -> tuple[str, ...]:
     for name in ENGINE_SAVE_METHODS:
         if not callable(getattr(engine, name, None)):
             raise missing("deepspeed", f"{type(engine).__name__}.{name} (a method save hooks wrap)",
-                          "pass the engine to a DeepSpeed that has it, or call zero_buffers.sync_buffers(engine, "
-                          "policy) on every rank before saving")
+                          "use a DeepSpeed that has it, or call zero_buffers.sync_buffers(engine.module, policy) "
+                          "on every rank before saving")
     return ENGINE_SAVE_METHODS
 
 
