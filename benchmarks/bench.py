@@ -415,8 +415,10 @@ def _peaks(ctx: dict, fn: Callable[[], Any]) -> list[float]:
 def bench_memory(ctx: dict) -> list[dict]:
     """Section 7: peak extra memory per rank (its resident set above the level before the call; this section runs in
     processes whose allocator hands every freed block >= 64 KiB back at once, so the resident set follows the live
-    tensors). (a) buffer_report of a differing codebook vs all-gathering it; (b) broadcast_buffers of buffers the
-    source must pack (transposed views), with the 250 MiB bucket cap, a 64 MiB cap and no cap."""
+    tensors). (a) buffer_report of a differing codebook vs all-gathering it; (a') per rank, the peak over the buffer's
+    size for an 8 MiB differing buffer, contiguous and strided, for buffer_report and the all-gather; (b)
+    broadcast_buffers of buffers the source must pack (transposed views), with the 250 MiB bucket cap, a 64 MiB cap
+    and no cap."""
     import zero_buffers as zb
     from zero_buffers import _wire
 
@@ -429,6 +431,7 @@ def bench_memory(ctx: dict) -> list[dict]:
         rows.append({"what": f"report, {mb} MiB codebook differing", "data_MB": mb,
                      "ours_max_rank_MB": max(ours), "naive_max_rank_MB": max(naive)})
         ctx["log"](f"memory report {mb} MiB: ours {max(ours):.0f} MiB, naive {max(naive):.0f} MiB")
+    rows += report_memory_ratios(ctx)
     n, mb = (4, 2) if ctx["quick"] else (12, 32)
     model = nn.Module()
     g = torch.Generator().manual_seed(ctx["rank"])
@@ -446,6 +449,36 @@ def bench_memory(ctx: dict) -> list[dict]:
                      "receiver_max_MB": max(peaks[1:])})
         ctx["log"](f"memory broadcast {label}: source {peaks[0]:.0f} MiB, receivers {max(peaks[1:]):.0f} MiB "
                    f"of {total:.0f} MiB")
+    return rows
+
+
+def report_memory_ratios(ctx: dict, mb: int = 8) -> list[dict]:
+    """buffer_report of one differing ``mb`` MiB buffer (rank r holds r everywhere), held contiguous and strided
+    (same shape, transposed storage): each rank's peak extra memory over the buffer's size, side by side, for
+    buffer_report and the all-gather (contiguous only: gloo gathers contiguous tensors). Measured after the
+    section's first report, so a process's one-time pages (about 5 MiB on the first call) are not counted."""
+    import zero_buffers as zb
+
+    rows = []
+    for layout in ("contiguous", "strided"):
+        values = torch.full((512, mb * 512), float(ctx["rank"]))
+        buf = values if layout == "contiguous" else values.t().contiguous().t()
+        del values
+        model = nn.Module()
+        model.register_buffer("codebook", buf)
+        size = buf.numel() * buf.element_size() / 2 ** 20
+        methods: dict[str, Callable[[], Any]] = {"zero_buffers.buffer_report": lambda: zb.buffer_report(model)}
+        if layout == "contiguous":
+            methods["all-gather (0.1)"] = lambda: naive_report([buf])
+        if zb.buffer_report(model).rows[0].max_abs_diff != ctx["world"] - 1:
+            raise AssertionError("buffer_report missed the differing buffer")
+        for method, fn in methods.items():
+            peaks = _peaks(ctx, fn)
+            rows.append({"what": f"report, {mb} MiB differing, {layout}", "method": method,
+                         **{f"rank{r}_ratio": p / size for r, p in enumerate(peaks)},
+                         "max_rank_ratio": max(peaks) / size})
+            ctx["log"](f"memory report {mb} MiB {layout}, {method}: "
+                       + " / ".join(f"{p / size:.2f}x" for p in peaks))
     return rows
 
 

@@ -46,6 +46,12 @@ def test_quick_benchmarks_write_every_output(tmp_path):
     assert all(r["zero_buffers.buffer_report"] > 0 and r["naive_all_gather"] > 0 for r in results["report_diff"])
     caps = [r["what"] for r in results["memory"] if r["what"].startswith("broadcast")]
     assert caps == ["broadcast, cap 250 MiB", "broadcast, cap 64 MiB", "broadcast, no cap"]
+    ratios = [r for r in results["memory"] if "method" in r]  # per-rank peak over the buffer's size, side by side
+    assert [(r["what"], r["method"]) for r in ratios] == [
+        ("report, 8 MiB differing, contiguous", "zero_buffers.buffer_report"),
+        ("report, 8 MiB differing, contiguous", "all-gather (0.1)"),
+        ("report, 8 MiB differing, strided", "zero_buffers.buffer_report")]
+    assert all({"rank0_ratio", "rank1_ratio", "max_rank_ratio"} <= r.keys() for r in ratios)
     assert {r["model"].split()[0] for r in results["frozen_real"]} == {"BERT", "ResNet-34"}
     md = (tmp_path / "results.md").read_text()
     assert "## world size 2" in md and "### broadcast" in md and "quick mode" in md

@@ -9,8 +9,9 @@ come out the same.
 
 Buffers may differ from DeepSpeed only where zero_buffers is meant to do more: under ``install()`` a
 ``modifier_rank=r`` context broadcasts the buffers of the modules owning the gathered parameters, and only when
-the body changed them on rank r. ``GatheredParametersAndBuffers`` given parameters (not modules) handles
-parameters only, as DeepSpeed.
+the body changed them on rank r; ``GatheredParametersAndBuffers`` given parameters (not modules) commits the
+buffers of the modules that own them whatever the body did, as it does for the modules it is given
+(tests/zero3/test_param_list_owners.py tests how the owners are found).
 
 Intended differences, asserted where they show: a body that raises with ``modifier_rank=r`` commits nothing
 (DeepSpeed commits rank r's half-done values); ours raises InvalidArgumentError on items that are neither
@@ -202,9 +203,9 @@ def check_modify(out: dict, form: str, mr: int, writer: str) -> None:
                          "list_with_none": ["bn.weight", "head.weight"]}.get(form, list(index))
                 for n in names:
                     assert torch.equal(res["params"][n], torch.full_like(res["params"][n], 100 * mr + index[n])), n
-            # buffers: DeepSpeed and ours-given-parameters leave them per rank; install() broadcasts the owners'
-            # buffers only when the modifier rank changed them
-            broadcast = kind == "installed" and BN_GATHERED[form] and writer == "all"
+            # buffers: DeepSpeed leaves them per rank; ours broadcasts the owners' buffers (the BatchNorm's, when its
+            # parameters are given), install() only when the modifier rank changed them
+            broadcast = BN_GATHERED[form] and (kind == "ours" or (kind == "installed" and writer == "all"))
             src = mr if broadcast else rank
             mean = 50 + src if (writer == "all" or src != mr) else src + 1
             want = {"bn.running_mean": float(mean), "bn.running_var": float(10 + src),
@@ -363,7 +364,9 @@ def test_deepspeed_unit_test_behaviours(ranks2):
             assert res["disabled_inside"] and res["outside"] == (True, 6), kind
             # DeepSpeed's __enter__ returns None; ours returns the context (harmless for `with ... :` callers)
             assert res["entered"] == ("GatheredParametersAndBuffers" if kind == "ours" else "NoneType"), kind
-            assert float(res["buffers"]["bn.running_mean"][0]) == (41.0 if rank == 0 else rank + 1), kind
+            # ours also committed rank 0's buffers in the whole-model modifier_rank=0 context (its owners' buffers)
+            want = 41.0 if rank == 0 else 1.0 if kind == "ours" else rank + 1
+            assert float(res["buffers"]["bn.running_mean"][0]) == want, kind
 
 
 SANITY_CONFIG = {**ZERO3_CONFIG, "zero_optimization": {"stage": 3, "enable_sanity_checks": True}}
@@ -427,8 +430,9 @@ def test_body_raising(ranks2, mr):
                 assert res["error"] is None, kind
             else:
                 assert res["error"] == ("SyncAbortedError", (last,)), kind
-            # rank 0's buffer writes: kept by DeepSpeed and ours-given-parameters (not theirs), rolled back by install()
-            kept = rank == 0 and not (kind == "installed" and mr is not None)
+            # rank 0's buffer writes: kept by DeepSpeed (not its business), rolled back by ours and install(), which
+            # commit the owners' buffers with the parameters
+            kept = rank == 0 and not (kind in ("ours", "installed") and mr is not None)
             assert float(res["buffers"]["bn.running_mean"][0]) == (51.0 if kept else rank + 1), (kind, rank)
 
 
@@ -565,8 +569,10 @@ def test_transformers_from_pretrained(ranks2, tmp_path, drop):
         for rank, res in enumerate(results):
             assert res["free"]
             persistent = {k: v for k, v in res["buffers"].items() if k != "noise"}
-            # transformers 5 broadcasts checkpoint buffers itself; 4.x loads them on rank 0 only (install() fixes it)
-            agree = HF5 or kind == "installed" or rank == 0
+            # transformers 5 broadcasts checkpoint buffers itself; 4.x loads them on rank 0 only, inside a
+            # GatheredParameters(module's own parameters, modifier_rank=0) per module: install() and ours (whose
+            # parameter lists commit their owners' buffers) fix it
+            agree = HF5 or kind in ("installed", "ours") or rank == 0
             assert same_state(persistent, {k: ref["buffers"][k] for k in persistent}) == agree, (kind, rank)
             if not drop and agree:
                 assert persistent["bn.running_mean"].tolist() == list(range(8))

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from . import _wire
+from . import _compare, _wire
 from ._compat import torch as torch_compat
 
 _IN_PLACE_BYTES = 1 << 16  # host tensors this large are hashed where they are; smaller ones are packed together
+_PIECE_BYTES = 4 << 20  # a non-contiguous host tensor is hashed through copies of at most this many bytes
 
 # fingerprint(): words of 16 bits, chunks of 2**16 words, two tables of multipliers below 2**31
 _CHUNK = 1 << 16
@@ -70,9 +71,17 @@ def fingerprint(t: torch.Tensor) -> int:
 
 
 def _feed_host(h: Any, t: torch.Tensor) -> None:
-    """Add a host tensor's bytes to ``h`` (no copy when it is contiguous)."""
-    raw = _raw(t)
-    h.update(torch_compat.host_bytes(raw))
+    """Add a host tensor's bytes to ``h`` in logical order: no copy when it is contiguous, else a copy of one piece
+    of at most :data:`_PIECE_BYTES` at a time (the digest is that of the whole byte stream either way)."""
+    t = t.detach()
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        raw = _raw(t)  # host_bytes is a view of its memory: keep the tensor alive while it is read
+        h.update(torch_compat.host_bytes(raw))
+        return
+    for part in _compare.pieces(t, max(1, _PIECE_BYTES // t.element_size())):
+        raw = _raw(part)
+        h.update(torch_compat.host_bytes(raw))
+        del part, raw  # before the next piece is made: one piece alive at a time
 
 
 def _chunks(tensors: Sequence[torch.Tensor]) -> Iterator[tuple[list[int], torch.Tensor]]:

@@ -35,6 +35,12 @@ def unwrap(module: nn.Module, fn: str) -> nn.Module:
     return module
 
 
+def is_wrapper(module: nn.Module) -> bool:
+    """A DDP / DataParallel / DeepSpeed engine / torch.compile wrapper (what :func:`unwrap` strips)."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return bool(names & _PASS_THROUGH) or "OptimizedModule" in names
+
+
 def fsdp_kinds(module: nn.Module, fn: str) -> tuple[bool, bool]:
     """(has FSDP1 units, has FSDP2 modules) in ``module``'s tree; InvalidArgumentError when it has both."""
     return _kinds(module.named_modules(), fn)
@@ -156,6 +162,7 @@ def box(modules: Sequence[nn.Module]) -> nn.Module:
     if len(modules) == 1:
         return modules[0]
     holder = nn.Module()  # plain nn.Module: zero.Init does not patch its __init__, so nothing is partitioned
+    holder.__dict__["_zb_box"] = True  # not the user's tree: the search for owners of ZeRO parameters skips it
     for i, m in enumerate(modules):
         holder._modules[str(i)] = m
     return holder

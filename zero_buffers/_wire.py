@@ -224,6 +224,11 @@ def broadcast(g: Group, tensors: Sequence[torch.Tensor], buckets: Sequence[Bucke
         raise failure
 
 
+def broadcast_flat(g: Group, flat: torch.Tensor, src: int, deadline: Deadline, what: str) -> None:
+    """Broadcast one contiguous tensor from group rank ``src``: sent from it there, received into it elsewhere."""
+    wait([dist.broadcast(wire_view(flat), src=g.global_rank(src), group=g.pg, async_op=True)], deadline, what)
+
+
 def write(tensors: Sequence[torch.Tensor], buckets: Sequence[Bucket], space: Sequence[torch.Tensor]) -> None:
     """Copy received buckets into their tensors (no collective)."""
     for b, flat in zip(buckets, space):

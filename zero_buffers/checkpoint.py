@@ -20,10 +20,9 @@ from .report import assert_buffers_in_sync
 Policy = Literal["broadcast", "average", "recompute", "check"]
 POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
 
-# Accelerator methods that write a checkpoint or build the state dict one is written from. save_state is called on
-# every rank; get_state_dict / save_model only under ZeRO-3 (elsewhere they are often called on the main process
-# alone, where a collective would hang: they warn instead).
-_ACCELERATOR_METHODS = ("save_state", "get_state_dict", "save_model")
+# The Accelerator methods save hooks wrap are _compat.accelerate.SAVE_METHODS. save_state is called on every rank;
+# get_state_dict / save_model only under ZeRO-3 (elsewhere they are often called on the main process alone, where a
+# collective would hang: they warn instead).
 
 
 def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,
@@ -325,6 +324,7 @@ def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: ru
 
     if acc_compat.is_accelerator(target):
         acc_compat.prepared_models(target)  # fail now, not at the first save, on an Accelerate without it
+        methods = acc_compat.save_methods(target)
 
         def sync_accelerator(acc: Any, name: str, args: tuple, kwargs: dict) -> None:
             if name == "save_state":
@@ -344,12 +344,15 @@ def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: ru
                         f"{name} is often called on the main process alone, where a collective would hang. Call "
                         f"zero_buffers.sync_buffers(model, {policy!r}) on every rank first, or use "
                         "accelerator.save_state(), which the hook covers.", once=f"accelerate.{name}", stacklevel=4)
-        return SaveHook(target, _ACCELERATOR_METHODS, sync_accelerator)
+        return SaveHook(target, methods, sync_accelerator)
 
-    if ds_compat.is_engine(target):
+    if ds_compat.is_engine(target):  # every method and the model checked now, not at the first save
+        methods = ds_compat.engine_save_methods(target)
+        ds_compat.engine_module(target)
+
         def sync_engine(engine: Any, name: str, args: tuple, kwargs: dict) -> None:
-            repeated.sync(engine.module)
-        return SaveHook(target, ds_compat.ENGINE_SAVE_METHODS, sync_engine)
+            repeated.sync(ds_compat.engine_module(engine))
+        return SaveHook(target, methods, sync_engine)
 
     raise InvalidArgumentError(
         f"sync_buffers_on_save() expects an accelerate.Accelerator or a DeepSpeed engine, got {type(target).__name__}; "

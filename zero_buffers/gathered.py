@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _args, _group, _modules, _structure, _transaction, _wire
+from . import _args, _group, _modules, _notice, _owners, _structure, _transaction, _wire
 from ._compat import deepspeed as ds_compat
+from ._compat import torch as torch_compat
 from ._rollback import Snapshot
 from .errors import InvalidArgumentError, ZeroBuffersError
 from .report import assert_buffers_in_sync
@@ -25,10 +26,10 @@ _FN = "GatheredParametersAndBuffers"
 _UNCHANGED = "nothing was committed: parameters and buffers are as before the context"
 
 
-def targets(params: Any, fn: str = _FN) -> tuple[list[nn.Module], list[torch.Tensor]]:
-    """Modules, and the ZeRO parameters to gather (theirs and the loose ones, sorted by ds_id), named by
-    ``params``: what GatheredParameters takes (a tensor, an iterable with None entries) plus modules.
-    Loose tensors that ZeRO does not manage are ignored, as DeepSpeed ignores them."""
+def targets(params: Any, fn: str = _FN) -> tuple[list[nn.Module], list[torch.Tensor], set[int]]:
+    """Modules, the ZeRO parameters to gather (theirs and the loose ones, sorted by ds_id), and the ids of the loose
+    tensors given, named by ``params``: what GatheredParameters takes (a tensor, an iterable with None entries)
+    plus modules. Loose tensors that ZeRO does not manage are not gathered, as DeepSpeed ignores them."""
     if params is None or isinstance(params, (nn.Module, torch.Tensor)):
         items = [params]
     elif isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
@@ -43,17 +44,19 @@ def targets(params: Any, fn: str = _FN) -> tuple[list[nn.Module], list[torch.Ten
                                    f"{type(params).__name__} {params!r:.40}")
     modules: list[nn.Module] = []
     zero: dict[int, torch.Tensor] = {}
+    given: set[int] = set()
     for i, item in enumerate(items):
         if isinstance(item, nn.Module):
             modules.append(item)
             zero.update({id(p): p for p in item.parameters() if ds_compat.is_zero_param(p)})
         elif isinstance(item, torch.Tensor):
+            given.add(id(item))
             if ds_compat.is_zero_param(item):
                 zero[id(item)] = item
         elif item is not None:
             raise InvalidArgumentError(f"{fn}: item {i} is a {type(item).__name__}; expected modules, parameters, "
                                        "None, or an iterable of them")
-    return modules, sorted(zero.values(), key=ds_compat.ds_id)
+    return modules, sorted(zero.values(), key=ds_compat.ds_id), given
 
 
 def resolve_group(group: Any, zero: Sequence[torch.Tensor], fn: str = _FN) -> _group.Group | None:
@@ -83,6 +86,14 @@ def _zero_specs(zero: Sequence[torch.Tensor]) -> list[tuple[str, _structure.Spec
         out.append((name, _structure.Spec(name, str(p.dtype).removeprefix("torch."),
                                           tuple(getattr(p, "ds_shape", p.shape)), "zero")))
     return out
+
+
+def _no_owner_text(unowned: Sequence[int], src: int) -> str:
+    shown = ", ".join(map(str, unowned[:8])) + (f" and {len(unowned) - 8} more" if len(unowned) > 8 else "")
+    return (f"{_FN}(modifier_rank={src}): no module registers the ZeRO parameter(s) with ds_id {shown} (on any rank), "
+            "so zero_buffers cannot tell whose buffers the body changes: only those parameters are committed. If the "
+            f"body loads buffers, pass the module instead, {_FN}(module, modifier_rank={src}), or call "
+            f"zero_buffers.broadcast_buffers(module, src={src}) on every rank after the context")
 
 
 def _overlap_error(held: Sequence[torch.Tensor]) -> ZeroBuffersError:
@@ -125,10 +136,12 @@ class _Commit:
 
     def __init__(self, gather: ds_compat.Gather | None, modules: Sequence[nn.Module],
                  entries: Callable[[], list[_modules.Entry]], g: _group.Group | None, src: int,
-                 timeout: float | None, snapshot: bool, only_if_changed: bool = False):
+                 timeout: float | None, snapshot: bool, only_if_changed: bool = False,
+                 found: _owners.Found | None = None):
         self.gather, self.modules, self.entries, self.g, self.src = gather, list(modules), entries, g, src
         self.timeout, self.take_snapshot = timeout, snapshot
         self.only_if_changed = only_if_changed  # buffers travel only when the body changed them on rank src
+        self.found = found  # the modules found behind a parameter list: part of the structure agreed on enter
         self.saved = Snapshot()
         self.gathered: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -152,13 +165,24 @@ class _Commit:
                 raise failure if isinstance(failure, BaseException) else ZeroBuffersError(failure)
         else:
             deadline = _wire.Deadline(self.timeout)
-            votes = _structure.agree(self.g, (_FN, "enter", self.src), _zero_specs(self.zero), deadline, _FN,
-                                     status=int(failure is not None))
+            votes = _structure.agree(self.g, (_FN, "enter", self.src), _zero_specs(self.zero) + self._found_specs(),
+                                     deadline, _FN, status=int(failure is not None))
             _transaction.abort_if_any(self.g, [s for s, _ in votes], failure, deadline, _FN,
                                       "entering failed", "nothing was gathered")
+            if self.found is not None and self.found.unowned:  # agreed: every rank found no owner for the same ones
+                _notice.warn(_no_owner_text(self.found.unowned, self.src), stacklevel=4)
         if self.gather is not None:
             self.gather.__enter__()
             self.gathered = [(p, p.data) for p in self.zero]  # references: a rollback gives each its data back
+
+    def _found_specs(self) -> list[tuple[str, Any]]:
+        """What the parameter list was found to name: ZeRO parameters no module registers, then the owners' tensors
+        (ranks that found different owners differ here, and raise BufferStructureError together)."""
+        if self.found is None:
+            return []
+        by_id = {ds_compat.ds_id(p): spec for p, (_, spec) in zip(self.zero, _zero_specs(self.zero))}
+        marks = [(f"<ZeRO ds_id={k}: no module registers it>", by_id[k]) for k in self.found.unowned if k in by_id]
+        return marks + self.found.entries()
 
     def exit(self, exc: BaseException | None) -> None:
         """Commit, or roll back on every rank; the body's own exception wins over ours on the rank it came from."""
@@ -221,7 +245,12 @@ class GatheredParametersAndBuffers:
     A context that overlaps an outer one on the same parameters raises, as DeepSpeed does.
 
     * ``modifier_rank=r`` (a rank within ``group``): on exit the gathered parameters, and the buffers
-      and plain (non-ZeRO) parameters of the modules given, take rank r's values on every rank. All or
+      and plain (non-ZeRO) parameters of the modules given, take rank r's values on every rank. Parameters
+      given find their modules (a ``module.parameters()`` generator names ``module``; else the record
+      ``install()`` / ``Init`` keep, ``fwd_module``, a search of the heap): a module every parameter of
+      which was given counts as given (its whole tree), an owner given some of its parameters brings its
+      own buffers and its parameter-free submodules'. Ranks that find different owners raise
+      BufferStructureError on entering; a ZeRO parameter no module registers warns on every rank. All or
       nothing: if the body raised on any rank, or a rank cannot take part, no rank keeps any change:
       ZeRO parameters are re-partitioned with their values from before; buffers and plain parameters
       get back their values (and dtype, device, shape) from a host copy taken on enter, and every
@@ -259,7 +288,8 @@ class GatheredParametersAndBuffers:
         src = _args.optional_rank(modifier_rank, "modifier_rank", _FN)
         seconds = _args.timeout(timeout, _FN)
         atol = _args.atol(atol, _FN)
-        modules, zero = targets(params)
+        root = torch_compat.parameters_generator(params)  # before targets() consumes it
+        modules, zero, given = targets(params)
         if not modules and not zero:
             return  # DeepSpeed's no-op: nothing ZeRO manages, no module
         g = resolve_group(group, zero)
@@ -269,12 +299,20 @@ class GatheredParametersAndBuffers:
             self._mode = _ReadOnly(gather, box, g, check_buffers, atol, seconds)
             return
         _group.check_src(g, src, _FN, "modifier_rank")
+        theirs = {id(p) for m in modules for p in m.parameters()}
+        loose = [p for p in zero if id(p) not in theirs]  # parameters given as such: find the modules they belong to
+        found = _owners.find(loose, given, root=root, fwd_module=fwd_module) if loose else None
 
         def entries() -> list[_modules.Entry]:
-            return _modules.named_buffers(box, include_parameters=True) if box is not None else []
+            out = _modules.named_buffers(box, include_parameters=True) if box is not None else []
+            if found is not None:
+                mine = {id(t) for _, t in out}
+                out += [(n, t) for n, t in found.entries() if id(t) not in mine]
+            return out
 
-        self._mode = _Commit(gather, list(box.modules()) if box is not None else [], entries, g, src, seconds,
-                             snapshot)
+        snapped = {id(m): m for m in (box.modules() if box is not None else ())}
+        snapped.update((id(m), m) for m in (found.modules() if found is not None else ()))
+        self._mode = _Commit(gather, list(snapped.values()), entries, g, src, seconds, snapshot, found=found)
 
     def __enter__(self) -> GatheredParametersAndBuffers:
         if self._mode is not None:

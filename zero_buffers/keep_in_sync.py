@@ -567,7 +567,7 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     seconds = _args.timeout(timeout, _FN)
     engine = ds_compat.is_engine(model_or_engine)
     if engine:
-        module = model_or_engine.module
+        module = ds_compat.engine_module(model_or_engine)
         if "step" in vars(model_or_engine):
             raise InvalidArgumentError(f"{_FN}(): this engine's step() is already wrapped (keep_in_sync twice?); "
                                        "remove() the first handle")

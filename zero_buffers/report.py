@@ -13,6 +13,7 @@ from . import _args, _compare, _digest, _group, _modules, _structure, _transacti
 from .errors import BuffersOutOfSyncError
 
 SHORT_ROWS = 40  # above this many buffers, a report prints its differing rows only unless asked for every row
+SLICE_BYTES = 4 * 2 ** 20  # a differing buffer's reference travels in slices of at most this many bytes
 
 
 @dataclass(frozen=True)
@@ -174,22 +175,41 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
 
 def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], deadline: _wire.Deadline,
                             what: str) -> list[tuple[float, float]]:
-    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which is broadcast one
-    bucket at a time (the extra memory is one bucket)."""
+    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in slices of
+    at most :data:`SLICE_BYTES`: small tensors packed together per (device, dtype), a larger one cut in logical
+    order (where it is cut depends on its shape alone, so every rank issues the same broadcasts whatever its
+    strides). Each slice is compared as it arrives: the extra memory is one slice and the comparison's temporaries,
+    whatever the buffer's size. The reference rank compares nothing (its difference with itself is 0)."""
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
-    for bucket in _wire.plan(tensors):
-        if g.me == 0:
-            space: Any = _wire.send_space(tensors, [bucket])
-        else:
-            space = _wire.receive_space([bucket])
+    reference = g.me == 0
+    for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
+        first = tensors[bucket.indices[0]].detach()
+        if len(bucket.indices) == 1 and first.numel() * first.element_size() > SLICE_BYTES:
+            worst = scale = 0.0
+            for block in _compare.blocks(first, max(1, SLICE_BYTES // first.element_size())):
+                if reference:  # sent from the buffer itself where it is contiguous, else from a copy of the block
+                    ref = block.resolve_conj().resolve_neg().contiguous()
+                else:  # received whole, compared with this rank's block where it lies (a chunk copied at a time)
+                    ref = torch.empty(block.shape, dtype=block.dtype, device=block.device)
+                _wire.broadcast_flat(g, ref, 0, deadline, what)
+                if not reference:
+                    worst = max(worst, _compare.max_abs_diff(block, ref))
+                scale = max(scale, _compare.max_abs(ref))
+                del ref, block  # one slice alive at a time
+            out[bucket.indices[0]] = (worst, scale)
+            continue
+        space: Any = _wire.send_space(tensors, [bucket]) if reference else _wire.receive_space([bucket])
         _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
         offset = 0
         for i in bucket.indices:
             mine = tensors[i].detach()
             n = mine.numel()
-            ref = mine if g.me == 0 else space[0][offset:offset + n].view(mine.shape)
+            if reference:
+                out[i] = (0.0, _compare.max_abs(mine))
+            else:
+                ref = space[0][offset:offset + n].view(mine.shape)
+                out[i] = (_compare.max_abs_diff(mine, ref), _compare.max_abs(ref))
             offset += n
-            out[i] = (_compare.max_abs_diff(mine, ref), _compare.max_abs(ref))
         del space
     return out
 

@@ -3,14 +3,13 @@ opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _transaction, _wire
+from . import _args, _group, _modules, _owners, _transaction, _wire
 from ._compat import deepspeed as ds_compat
 from ._compat import transformers as hf_compat
 from .broadcast import broadcast_buffers
@@ -23,6 +22,7 @@ _own_depth = 0  # active zero_buffers.Init contexts
 
 
 def _record(module: nn.Module) -> None:
+    _owners.remember(module)  # kept while zero_buffers.Init (or install()) records: parameter lists find owners
     for rec in _recorders:
         rec.append(module)
 
@@ -154,8 +154,6 @@ class Init:
 
 # ---- install(): every zero.Init, every GatheredParameters(modifier_rank=r), from_pretrained ------------------------
 _undo: list[Callable[[], None]] = []  # what install() changed, undone in reverse by uninstall()
-_owners: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # ds_id -> owning module
-_parents: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()  # module -> its parent
 _warned: set[str] = set()
 _WHAT = "GatheredParameters (zero_buffers.install)"
 _loading = [0]  # from_pretrained calls in progress (install() syncs their whole model afterwards)
@@ -212,7 +210,7 @@ def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
     if _undo:
         return _Installed(owner=False)
     try:
-        _undo.append(ds_compat.on_module_converted(_remember_owner))
+        _undo.append(ds_compat.on_module_converted(_owners.remember))
         _undo.append(_patch_init_context(src, seconds))
         _undo.append(_patch_gathered_parameters(seconds))
         undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
@@ -228,23 +226,11 @@ def uninstall() -> None:
     """Undo :func:`install`, restoring DeepSpeed's and transformers' methods exactly. A no-op when not installed."""
     while _undo:
         _undo.pop()()
-    _owners.clear()
-    _parents.clear()
 
 
 def installed() -> bool:
     """Whether :func:`install` is active."""
     return bool(_undo)
-
-
-def _remember_owner(module: nn.Module) -> None:
-    """zero.Init converted ``module`` (after its children): note which module owns each ZeRO parameter, and
-    each child's parent."""
-    for p in module._parameters.values():
-        if p is not None and ds_compat.is_zero_param(p):
-            _owners[ds_compat.ds_id(p)] = module
-    for child in module.children():
-        _parents[child] = weakref.ref(module)
 
 
 def _related(zero: list[torch.Tensor]) -> list[tuple[str, nn.Module]]:
@@ -253,12 +239,11 @@ def _related(zero: list[torch.Tensor]) -> list[tuple[str, nn.Module]]:
     the path below)."""
     out: dict[int, tuple[str, nn.Module]] = {}
     for p in zero:
-        owner = _owners.get(ds_compat.ds_id(p))
+        owner = _owners.recorded_owner(p)
         level = 0
         while owner is not None and id(owner) not in out:
             out[id(owner)] = (f"<ds_id={ds_compat.ds_id(p)}, up {level}>", owner)
-            ref = _parents.get(owner)
-            owner, level = (ref() if ref is not None else None), level + 1
+            owner, level = _owners.recorded_parent(owner), level + 1
     for tag, module in list(out.values()):  # their parameter-free children: a BatchNorm(affine=False) beside them
         for name, child in module.named_children():
             if id(child) not in out and next(child.parameters(), None) is None:

@@ -28,9 +28,14 @@ def missing(package: str, what: str, hint: str = "") -> DependencyError:
     return DependencyError(f"zero_buffers needs {what} from {where}{': ' + hint if hint else ''}", package, found)
 
 
-def replace(owner: object, name: str, make: Callable[[Any], Any]) -> Callable[[], None]:
+def replace(owner: type, name: str, make: Callable[[Any], Any]) -> Callable[[], None]:
     """Set ``owner.name = make(original)`` (the attribute as stored in the class dict); returns the undo, which
-    puts the identical original object back."""
+    puts the identical original object back. A class that does not define ``name`` itself (a version where it is
+    inherited, or gone) is a DependencyError naming the package that defines ``owner``."""
+    if name not in vars(owner):
+        package = owner.__module__.split(".", 1)[0]
+        where = owner.__module__.removeprefix(package + ".")
+        raise missing(package, f"{where}.{owner.__qualname__}.{name} (defined on that class itself)")
     original = vars(owner)[name]
     setattr(owner, name, make(original))
 

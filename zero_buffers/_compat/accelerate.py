@@ -1,4 +1,5 @@
-"""Private Accelerate APIs: the list of prepared models an Accelerator keeps (``Accelerator._models``)."""
+"""Private Accelerate APIs: the list of prepared models an Accelerator keeps (``Accelerator._models``), and the
+save methods save hooks wrap."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,3 +18,15 @@ def prepared_models(accelerator: Any) -> list[Any]:
     if not isinstance(models, list):
         raise missing("accelerate", "Accelerator._models (the list of prepared models)")
     return models
+
+
+SAVE_METHODS = ("save_state", "get_state_dict", "save_model")
+"""Accelerator methods that write a checkpoint or build the state dict one is written from."""
+
+
+def save_methods(accelerator: Any) -> tuple[str, ...]:
+    """:data:`SAVE_METHODS`, once ``accelerator`` is checked to have each (DependencyError: the first it lacks)."""
+    for name in SAVE_METHODS:
+        if not callable(getattr(accelerator, name, None)):
+            raise missing("accelerate", f"Accelerator.{name} (a method save hooks wrap)")
+    return SAVE_METHODS

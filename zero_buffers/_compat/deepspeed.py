@@ -47,9 +47,9 @@ def partition_parameters() -> Any:
                                         version("deepspeed")) from e
     if not _ORIGINAL:
         needed = ("GatheredParameters", "Init", "InsertPostInitMethodToModuleSubClasses", "shutdown_init_context",
-                  "restore_init_context")
+                  "restore_init_context", "zero_init_context", "top_level_context")
         absent = [n for n in needed if not hasattr(pp, n)]
-        if absent or not hasattr(pp.Init, "_post_init_method"):
+        if absent or "_post_init_method" not in vars(pp.Init):
             raise missing("deepspeed", "partition_parameters." + (absent[0] if absent else "Init._post_init_method"))
         cls = pp.GatheredParameters
         _ORIGINAL.update(init=cls.__init__, enter=cls.__enter__, exit=cls.__exit__)
@@ -81,9 +81,14 @@ class Gather:
             zero = sorted({id(p): p for p in params if is_zero_param(p)}.values(), key=ds_id)
             _ORIGINAL["init"](ctx, zero, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=bool(zero))
         self._ctx = ctx
-        self.params: list[torch.Tensor] = list(getattr(ctx, "params", None) or []) if ctx.enabled else []
-        if ctx.enabled and not self.params:
+        enabled = getattr(ctx, "enabled", None)
+        if not isinstance(enabled, bool):
+            raise missing("deepspeed", "GatheredParameters.enabled (set by its __init__)")
+        self.params: list[torch.Tensor] = list(getattr(ctx, "params", None) or []) if enabled else []
+        if enabled and not self.params:
             raise missing("deepspeed", "GatheredParameters.params")
+        if not all(callable(getattr(p, "partition", None)) for p in self.params[:1]):
+            raise missing("deepspeed", "the partition() method of ZeRO-3 parameters")
         self._open = False
 
     def __enter__(self) -> Gather:
@@ -152,6 +157,25 @@ ENGINE_SAVE_METHODS = ("save_checkpoint", "save_16bit_model", "_zero3_consolidat
 """DeepSpeed engine methods that write a checkpoint, or build the state dict one is written from."""
 
 
+def engine_save_methods(engine: Any) -> tuple[str, ...]:
+    """:data:`ENGINE_SAVE_METHODS`, once ``engine`` is checked to have every one of them (DependencyError naming the
+    first one this DeepSpeed's engine lacks)."""
+    for name in ENGINE_SAVE_METHODS:
+        if not callable(getattr(engine, name, None)):
+            raise missing("deepspeed", f"{type(engine).__name__}.{name} (a method save hooks wrap)",
+                          "use a DeepSpeed that has it, or call zero_buffers.sync_buffers(engine.module, policy) "
+                          "on every rank before saving")
+    return ENGINE_SAVE_METHODS
+
+
+def engine_module(engine: Any) -> nn.Module:
+    """The model a DeepSpeed engine wraps (``engine.module``)."""
+    module = getattr(engine, "module", None)
+    if not isinstance(module, nn.Module):
+        raise missing("deepspeed", f"{type(engine).__name__}.module (the wrapped model)")
+    return module
+
+
 def is_engine(obj: Any) -> bool:
     """True for a DeepSpeed engine (checked by class name, so DeepSpeed need not be imported)."""
     return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
@@ -181,7 +205,7 @@ def suspend_init_context() -> Any:
 def resume_init_context(ctx: Any) -> None:
     """Re-patch the context :func:`suspend_init_context` left (if it is still the active one)."""
     pp = loaded()
-    if ctx is not None and pp is not None and pp.top_level_context is ctx:
+    if ctx is not None and pp is not None and getattr(pp, "top_level_context", None) is ctx:
         pp.restore_init_context()
 
 
@@ -211,7 +235,8 @@ def on_module_converted(callback: Callable[[nn.Module], None]) -> Callable[[], N
 
 
 def init_depth() -> int:
-    """How many zero.Init contexts are active (DeepSpeed's module global ``zero_init_context``)."""
+    """How many zero.Init contexts are active (DeepSpeed's module global ``zero_init_context``, checked by
+    :func:`partition_parameters`)."""
     return int(partition_parameters().zero_init_context)
 
 

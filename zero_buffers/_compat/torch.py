@@ -1,5 +1,6 @@
 """Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
-FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh."""
+FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh, and
+the frame of a ``Module.parameters()`` generator (which module it walks)."""
 from __future__ import annotations
 
 import builtins
@@ -8,11 +9,13 @@ import contextlib
 import ctypes
 import functools
 import importlib
+import inspect
 import io
 import math
 import pathlib
 import pickle
 import re
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -644,3 +647,18 @@ def mesh_group(mesh: Any, dim: str | None, fn: str) -> Any:
         f"{fn}(): a {mesh.ndim}-D DeviceMesh of {mesh.size()} of the world's {dist.get_world_size()} ranks: buffers "
         "are synced over a whole mesh only when it spans the world; pass (mesh, dim) with one of "
         f"{', '.join(map(repr, names)) or 'its dimensions'}, or a ProcessGroup")
+
+
+def parameters_generator(obj: Any) -> tuple[torch.nn.Module, bool] | None:
+    """``(module, recurse)`` for ``module.parameters(recurse)`` as torch defines it, not yet started (a generator
+    whose frame still holds its arguments), else None. Relies on ``nn.Module.parameters`` being a generator
+    function with locals ``self`` and ``recurse``; anything else (an override, a started generator) gives None."""
+    if not isinstance(obj, types.GeneratorType) or obj.gi_code is not torch.nn.Module.parameters.__code__:
+        return None
+    if inspect.getgeneratorstate(obj) != inspect.GEN_CREATED or obj.gi_frame is None:
+        return None
+    local = obj.gi_frame.f_locals
+    module, recurse = local.get("self"), local.get("recurse", True)
+    if not isinstance(module, torch.nn.Module) or not isinstance(recurse, bool):
+        return None
+    return module, recurse

@@ -42,7 +42,12 @@ def restore_zero3_flag(state: tuple | None) -> None:
 def zero3_enabled() -> bool:
     """transformers' own ``is_deepspeed_zero3_enabled()`` (False when transformers was not imported)."""
     hf = _deepspeed_integration()
-    return bool(hf is not None and hf.is_deepspeed_zero3_enabled())
+    if hf is None:
+        return False
+    check = getattr(hf, "is_deepspeed_zero3_enabled", None)
+    if not callable(check):
+        raise missing("transformers", "integrations.deepspeed.is_deepspeed_zero3_enabled")
+    return bool(check())
 
 
 def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int]) -> Callable[[], None] | None:
