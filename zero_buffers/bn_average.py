@@ -243,7 +243,7 @@ def merge(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = F
         per = w.index_select(0, lay.index)
         torch.div(first, per, out=lay.merged_mean)
         torch.div(second, per, out=lay.merged_var)
-        lay.merged_var.sub_(lay.merged_mean * lay.merged_mean).clamp_min_(0)
+        lay.merged_var.addcmul_(lay.merged_mean, lay.merged_mean, value=-1).clamp_min_(0)
         keep = [i for i, total in enumerate(totals) if total > 0]
         if len(keep) == L:
             dst, src = lay.means + lay.vars, lay.mean_views + lay.var_views
@@ -320,6 +320,7 @@ class Repeated:
     acc_a: torch.Tensor  # (C,) ... the sum of its batch means
     acc_v: torch.Tensor  # (C,) ... the sum of its batch variances
     origin: torch.Tensor  # (L + 2C,) on the source: the shared start of cumulative layers [N0, N0 M0, N0 (V0 + M0^2)]
+    has_cumulative: bool = False  # any cumulative layer (else contribute takes the EMA-only path)
     _pending: tuple[torch.Tensor, ...] | None = None
 
     @classmethod
@@ -332,7 +333,7 @@ class Repeated:
         cumulative = torch.tensor([bn.module.momentum is None and bn.count is not None for bn in lay.bns],
                                   dtype=torch.bool, device=device)
         state = cls(lay, source, cumulative, zeros(L), zeros(C), zeros(C), zeros(L), zeros(C), zeros(C),
-                    zeros(L + 2 * C))
+                    zeros(L + 2 * C), bool(cumulative.any()))
         if at_start is not None and L:
             n, mean, var = at_start
             keep = shared.to(device=device, dtype=torch.float64)
@@ -355,11 +356,21 @@ class Repeated:
         and ``var`` per channel, float64). Nothing is kept until :meth:`commit`."""
         lay, index = self.lay, self.lay.index
         L, C = lay.layers, lay.width
-        fresh = (n < self.last_n) & lay.has_count.bool()  # replaced or reloaded here: start this layer afresh
+        counted = lay.has_count > 0
+        fresh = (n < self.last_n) & counted  # replaced or reloaded here: start this layer afresh
+        refresh = bool(fresh.any())
+        last_n = self.last_n.masked_fill(fresh, 0.0) if refresh else self.last_n
+        k = torch.where(counted, n - last_n, torch.ones_like(n))
+        torch.mul(k + last_n if self.source else k, lay.has_count, out=c)
+        if not self.has_cumulative:  # EMA layers only: the one-shot contribution, weighted by the batches since
+            w.copy_(k)
+            per = k.index_select(0, index)
+            torch.mul(mean, per, out=first)
+            torch.addcmul(var, mean, mean, out=second).mul_(per)
+            self._pending = (self.acc_k, self.acc_a, self.acc_v, self.origin)
+            return
         keep = (~fresh).double()
         keep_c = keep.index_select(0, index)
-        last_n = self.last_n * keep
-        k = torch.where(lay.has_count.bool(), n - last_n, torch.ones_like(n))
         k_c, n_c, last_c = k.index_select(0, index), n.index_select(0, index), last_n.index_select(0, index)
         acc_k = self.acc_k * keep + k
         acc_a = self.acc_a * keep_c + (n_c * mean - last_c * self.last_mean * keep_c)
@@ -368,11 +379,10 @@ class Repeated:
         cum_c = cum.index_select(0, index)
         acc_k_c = acc_k.index_select(0, index)
         spread = torch.where(acc_k_c > 0, acc_a * acc_a / acc_k_c.clamp_min(1), torch.zeros_like(acc_a))
-        origin = self.origin * torch.cat([keep, keep_c, keep_c])
+        origin = self.origin * torch.cat([keep, keep_c, keep_c]) if refresh else self.origin
         w.copy_(torch.where(cum, acc_k, k) + origin[:L])
         first.copy_(torch.where(cum_c, acc_a, k_c * mean) + origin[L:L + C])
         second.copy_(torch.where(cum_c, acc_v + spread, k_c * torch.addcmul(var, mean, mean)) + origin[L + C:])
-        torch.mul(k + (last_n if self.source else 0.0), lay.has_count, out=c)
         self._pending = (acc_k, acc_a, acc_v, origin)
 
     def commit(self, written: Merged) -> None:
@@ -381,7 +391,7 @@ class Repeated:
         self.acc_k, self.acc_a, self.acc_v, self.origin = self._pending
         self._pending = None
         self.last_n.copy_(written.counts)
-        if bool(self.cumulative.any()):
+        if self.has_cumulative:
             _, mean, var = self.lay.read(self.last_n.device)
             self.last_mean.copy_(mean)
             self.last_var.copy_(var)

@@ -484,7 +484,6 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
             else:
                 works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
                                              async_op=True))
-    _wire.wait(works, deadline, _FN)
     if failure is None:
         try:
             _transaction.reached(_transaction.Phase.EXCHANGE, _FN)
@@ -494,7 +493,10 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
         check[g.me] = 1.0
         combined[width:].zero_()
     combined[:width].copy_(check)
-    _wire.all_reduce(g, combined, deadline, _FN)  # the check, with the BatchNorm sums: the vote
+    # the check, with the BatchNorm sums: the vote, issued behind the data (it carries nothing the data changes), so
+    # its latency overlaps theirs
+    works.append(dist.all_reduce(_wire.wire_view(combined), group=g.pg, async_op=True))
+    _wire.wait(works, deadline, _FN)
     check.copy_(combined[:width])
     values = check.tolist()
     if any(values[:g.size]):
