@@ -1,6 +1,6 @@
 """zero_buffers: keep PyTorch module buffers correct across ranks (DeepSpeed ZeRO-3, FSDP2, DDP, Accelerate)."""
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 from .bn_average import average_bn_stats
 from .bn_recompute import recompute_bn_stats

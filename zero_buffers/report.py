@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import _args, _compare, _digest, _group, _modules, _structure, _transaction, _wire
-from .errors import BuffersOutOfSyncError
+from .errors import BuffersOutOfSyncError, CollectiveError
 
 SHORT_ROWS = 40  # above this many buffers, a report prints its differing rows only unless asked for every row
 SLICE_BYTES = 4 * 2 ** 20  # a differing buffer's reference travels in slices of at most this many bytes
@@ -137,9 +137,19 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     call = (fn, atol, include_parameters)
     problem = _transaction.unsendable(g, entries, fn)  # such tensors cannot be hashed either
     known: dict[int, int] = {}  # digests of the large buffers, hashed once for both uses
-    votes = _structure.agree(g, call, entries, deadline, fn, extra=0 if problem else _digest.combined(tensors, known))
+    failure: BaseException | None = None  # this rank's, voted on: every rank raises the same SyncAbortedError
+    extra = 0
+    if problem is None:
+        try:
+            _transaction.reached(_transaction.Phase.PREPARE, fn)
+            extra = _digest.combined(tensors, known)
+        except BaseException as e:  # noqa: BLE001 - a vote in the first collective
+            failure = e
+    votes = _structure.agree(g, call, entries, deadline, fn, status=int(failure is not None), extra=extra)
     if problem is not None:
         raise problem  # structure agreed (it includes device, layout, dtype): every rank raises this
+    _transaction.abort_if_any(g, [s for s, _ in votes], failure, deadline, fn, "hashing the buffers failed",
+                              "nothing was changed")
     if all(v[1] == votes[0][1] for v in votes):  # all agree: the rows depend on the structure alone
         key = (call, _structure.digest(call, entries), frozenset(transient), g.ranks, module.training)
         report = _IN_SYNC.get(key)
@@ -149,14 +159,30 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
             report = _IN_SYNC[key] = BufferReport(tuple(row(n, t) for n, t in entries), g.ranks, g.ranks[0], atol,
                                                   training=module.training)
         return report
-    digests = _wire.all_gather_values(g, _digest.per_tensor(tensors, known), deadline, fn)
+    # The differing path: a rank that fails from here on still takes part in every collective (zeros where its
+    # values would be) and says so in the last one, so every rank raises the same error instead of waiting for it.
+    mine_digests = [0] * len(tensors)
+    try:
+        _transaction.reached(_transaction.Phase.EXCHANGE, fn)
+        mine_digests = _digest.per_tensor(tensors, known)
+    except BaseException as e:  # noqa: BLE001 - voted on in the last collective
+        failure = e
+    digests = _wire.all_gather_values(g, mine_digests, deadline, fn)
     differ = [i for i in range(len(entries)) if any(d[i] != digests[0][i] for d in digests)]
-    measured = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn)
-    untrained = _untrained_flags(module, [entries[i][0] for i in differ])
+    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn)
+    failure = failure or compare_failure
+    untrained = [False] * len(differ)
+    try:
+        untrained = _untrained_flags(module, [entries[i][0] for i in differ])
+    except BaseException as e:  # noqa: BLE001 - as above
+        failure = failure or e
     # one all_gather: per differing buffer, this rank's max |x - ref|, the reference's max |ref|, untrained flag;
-    # then the module's train/eval mode
-    mine = [v for (d, m), u in zip(measured, untrained) for v in (d, m, float(u))] + [float(module.training)]
+    # then the module's train/eval mode and whether this rank failed
+    mine = [v for (d, m), u in zip(measured, untrained) for v in (d, m, float(u))] + [float(module.training),
+                                                                                    float(failure is not None)]
     table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)  # type: ignore[arg-type]
+    _transaction.abort_if_any(g, [int(t[-1]) for t in table], failure, deadline, fn, "comparing the buffers failed",
+                              "nothing was changed")
     rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
     for k, i in enumerate(differ):
         diffs = [table[j][3 * k] for j in range(g.size)]
@@ -170,18 +196,31 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
         fresh = tuple(r for j, r in enumerate(g.ranks) if table[j][3 * k + 2])
         rows[i] = row(entries[i][0], entries[i][1], in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh)
     return BufferReport(tuple(rows[i] for i in range(len(entries))), g.ranks, g.ranks[0], atol,
-                        training=bool(table[0][-1]))
+                        training=bool(table[0][-2]))
 
 
 def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], deadline: _wire.Deadline,
-                            what: str) -> list[tuple[float, float]]:
+                            what: str) -> tuple[list[tuple[float, float]], BaseException | None]:
     """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in slices of
     at most :data:`SLICE_BYTES`: small tensors packed together per (device, dtype), a larger one cut in logical
     order (where it is cut depends on its shape alone, so every rank issues the same broadcasts whatever its
     strides). Each slice is compared as it arrives: the extra memory is one slice and the comparison's temporaries,
-    whatever the buffer's size. The reference rank compares nothing (its difference with itself is 0)."""
+    whatever the buffer's size. The reference rank compares nothing (its difference with itself is 0). A comparison
+    that fails here is returned (the first), after every broadcast was issued."""
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
     reference = g.me == 0
+    failure: BaseException | None = None
+
+    def measure(fn: Any, *args: Any) -> float:
+        nonlocal failure
+        try:
+            return float(fn(*args))
+        except CollectiveError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported with the table; the broadcasts go on
+            failure = failure or e
+            return 0.0
+
     for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
         first = tensors[bucket.indices[0]].detach()
         if len(bucket.indices) == 1 and first.numel() * first.element_size() > SLICE_BYTES:
@@ -193,25 +232,30 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
                     ref = torch.empty(block.shape, dtype=block.dtype, device=block.device)
                 _wire.broadcast_flat(g, ref, 0, deadline, what)
                 if not reference:
-                    worst = max(worst, _compare.max_abs_diff(block, ref))
-                scale = max(scale, _compare.max_abs(ref))
+                    worst = max(worst, measure(_compare.max_abs_diff, block, ref))
+                scale = max(scale, measure(_compare.max_abs, ref))
                 del ref, block  # one slice alive at a time
             out[bucket.indices[0]] = (worst, scale)
             continue
         space: Any = _wire.send_space(tensors, [bucket]) if reference else _wire.receive_space([bucket])
-        _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
+        try:
+            _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
+        except CollectiveError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the source could not pack: every collective was still issued
+            failure = failure or e
         offset = 0
         for i in bucket.indices:
             mine = tensors[i].detach()
             n = mine.numel()
             if reference:
-                out[i] = (0.0, _compare.max_abs(mine))
+                out[i] = (0.0, measure(_compare.max_abs, mine))
             else:
                 ref = space[0][offset:offset + n].view(mine.shape)
-                out[i] = (_compare.max_abs_diff(mine, ref), _compare.max_abs(ref))
+                out[i] = (measure(_compare.max_abs_diff, mine, ref), measure(_compare.max_abs, ref))
             offset += n
         del space
-    return out
+    return out, failure
 
 
 def _untrained_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
