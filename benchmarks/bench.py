@@ -655,7 +655,8 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
     """Section 11: keep_in_sync's steady state. (a) One sync of ResNet-50's BatchNorm buffers (159 tensors) and of
     four 1 MB buffers, against one raw broadcast of the same flat bytes (the floor), against the copy floor (the
     same broadcast plus the one-op pack and fused copy-out that any sync keeping each buffer in its own memory must
-    add) and against the transactional sync_buffers, with every buffer "broadcast"; with the default rules ("bn"
+    add), that floor plus the vote (one raw all-reduce of 2 x world floats, what every plan's check costs), and against
+    the transactional sync_buffers, with every buffer "broadcast"; with the default rules ("bn"
     merge) also against one raw all-reduce of the float64 sums the merge moves; (b) a training step of
     transformers' ResNet-18 (batch 32, DDP with broadcast_buffers=False) with and without keep_in_sync before every
     forward, steps alternating."""
@@ -676,8 +677,10 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
         tensors = list(model.buffers())
         flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
                  for d in dict.fromkeys(t.dtype for t in tensors)]
+        vote = torch.zeros(2 * ctx["world"], dtype=torch.float64, device=ctx["device"])  # [failed, changed] per rank
         fns = {"keep_in_sync": handle.sync, "raw_flat_broadcast": lambda: raw_flat(flats, 0),
                "copy_floor": copy_floor(tensors, [f.clone() for f in flats], 0),
+               "raw_vote_all_reduce": lambda: dist.all_reduce(vote),
                "sync_buffers": lambda: zb.sync_buffers(model, rules=rules or {})}
         merge = None
         if rules is None and any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
@@ -692,6 +695,7 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
                "steady_over_raw": t["keep_in_sync"] / t["raw_flat_broadcast"]}
         if merge is None:
             row["steady_over_copy_floor"] = t["keep_in_sync"] / t["copy_floor"]
+            row["steady_over_copy_floor_and_vote"] = t["keep_in_sync"] / (t["copy_floor"] + t["raw_vote_all_reduce"])
         else:
             row["steady_over_merge_all_reduce"] = t["keep_in_sync"] / t["raw_merge_all_reduce"]
         row["transactional_over_steady"] = t["sync_buffers"] / t["keep_in_sync"]
