@@ -420,7 +420,7 @@ def bench_memory(ctx: dict) -> list[dict]:
     broadcast_buffers of buffers the source must pack (transposed views), with the 250 MiB bucket cap, a 64 MiB cap
     and no cap."""
     import zero_buffers as zb
-    from zero_buffers import _wire
+    from zero_buffers._core import wire as _wire
 
     rows = []
     for mb in ((4,) if ctx["quick"] else (32, 128)):

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import zero_buffers._wire as _dist
+import zero_buffers._core.wire as _dist
 from zero_buffers import _proc
 
 

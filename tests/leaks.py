@@ -36,7 +36,7 @@ def snapshot() -> dict[str, Any]:
     mu = sys.modules.get("transformers.modeling_utils")
     if mu is not None:
         out["transformers PreTrainedModel.from_pretrained"] = vars(mu.PreTrainedModel).get("from_pretrained")
-    tr = sys.modules.get("zero_buffers._transaction")
+    tr = sys.modules.get("zero_buffers._core.transaction")
     if tr is not None:
         out["zero_buffers _transaction.reached"] = tr.reached
     zi = sys.modules.get("zero_buffers.zero_init")
@@ -60,8 +60,8 @@ def leaked(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 def clear_caches() -> None:
     """Forget zero_buffers' caches (structure digests, all-agree reports, fingerprint tables)."""
-    for name, attr in (("zero_buffers._structure", "_CACHE"), ("zero_buffers.report", "_IN_SYNC"),
-                       ("zero_buffers._digest", "_TABLES"), ("zero_buffers._notice", "_SEEN")):
+    for name, attr in (("zero_buffers._core.structure", "_CACHE"), ("zero_buffers.report", "_IN_SYNC"),
+                       ("zero_buffers._core.digest", "_TABLES"), ("zero_buffers._core.notice", "_SEEN")):
         module = sys.modules.get(name)
         if module is not None:
             getattr(module, attr).clear()

@@ -19,7 +19,7 @@ from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import ZERO3_CONFIG, bitwise_equal, check_table, logged_call, run_table, scramble
-from zero_buffers import _args, _group, _modules, _transaction
+from zero_buffers._core import args as _args, group as _group, modules as _modules, transaction as _transaction
 
 DIGEST = ("all_gather", "torch.int64", 3)
 

@@ -53,7 +53,7 @@ def test_every_buffer_takes_src_values_bit_for_bit(ranks):
 
 
 def _costs(rank, world, names):
-    import zero_buffers._wire as wire
+    import zero_buffers._core.wire as wire
 
     def case(name):
         model = scramble(nn.Sequential(*[nn.BatchNorm1d(3) for _ in range(50)]), rank)

@@ -14,6 +14,7 @@ from torch import nn
 
 import zero_buffers as zb
 from tests.ckpt_kinds import Tag  # identity with a non-BatchNorm buffer (a step counter, a codebook ...)
+from zero_buffers._core import modules as _modules
 
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -98,7 +99,7 @@ def train(step, model: nn.Module, rank: int) -> None:
 
 
 def local_stats(model: nn.Module) -> dict[str, torch.Tensor]:
-    return bn_state(zb._modules.unwrap(model, "test").state_dict())
+    return bn_state(_modules.unwrap(model, "test").state_dict())
 
 
 # -- plain torch: sync_buffers before torch.save on rank 0 ----------------------------------------------------------

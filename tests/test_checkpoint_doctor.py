@@ -437,7 +437,7 @@ def test_trust_pickle_reads_a_file_weights_only_refuses_and_says_so(kinds2, tmp_
     with pytest.warns(zb.ZeroBuffersWarning, match="arbitrary code"):
         code, text, err = doctor("diff", str(tmp_path / "pt"), "--trust-pickle")
     assert code == 1 and "5 of 14 buffers differ" in text
-    from zero_buffers import _notice
+    from zero_buffers._core import notice as _notice
     _notice._SEEN.discard("trust_pickle")
 
 

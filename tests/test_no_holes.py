@@ -99,7 +99,7 @@ def test_2_a_foreign_exception_while_receiving_makes_every_rank_roll_back(ranks)
 
 
 def _cannot_allocate(rank, world):
-    import zero_buffers._wire as wire
+    import zero_buffers._core.wire as wire
 
     model = Net()
     torch.manual_seed(rank)
@@ -220,7 +220,7 @@ class _Placed:
 
 
 def test_4_device_ordinals_one_gpu_per_rank_agree_one_rank_on_two_gpus_does_not():
-    from zero_buffers import _structure
+    from zero_buffers._core import structure as _structure
 
     one_gpu_rank0 = [("a", _Placed("cuda:0")), ("b", _Placed("cuda:0"))]
     one_gpu_rank1 = [("a", _Placed("cuda:1")), ("b", _Placed("cuda:1"))]
@@ -232,7 +232,7 @@ def test_4_device_ordinals_one_gpu_per_rank_agree_one_rank_on_two_gpus_does_not(
 
 
 def test_4_the_bucket_cap_is_part_of_the_digest(monkeypatch):
-    from zero_buffers import _structure, _wire
+    from zero_buffers._core import structure as _structure, wire as _wire
 
     entries = [("a", torch.zeros(4)), ("b", torch.zeros(4))]
     before = _structure.digest(("x",), entries)
@@ -331,7 +331,7 @@ def test_6_a_differing_report_moves_the_buffer_once_not_once_per_rank(ranks):
 
 
 def _capped_broadcast(rank, world, cap):
-    from zero_buffers import _wire
+    from zero_buffers._core import wire as _wire
 
     _wire.BUCKET_BYTES = cap
     try:
@@ -358,7 +358,7 @@ def test_6_broadcasts_are_cut_at_the_bucket_cap(ranks2):
 
 
 def test_6_device_fingerprint_is_layout_blind_and_sees_one_bit():
-    from zero_buffers._digest import fingerprint
+    from zero_buffers._core.digest import fingerprint
 
     x = torch.randn(300, 7, dtype=torch.float64)
     assert fingerprint(x) == fingerprint(x.t().contiguous().t())  # same values, other strides
@@ -376,7 +376,7 @@ def test_6_device_fingerprint_is_layout_blind_and_sees_one_bit():
 
 @pytest.mark.parametrize("n", [0, 1, 3, 1 << 16])
 def test_6_device_fingerprint_is_deterministic(n):
-    from zero_buffers._digest import fingerprint
+    from zero_buffers._core.digest import fingerprint
 
     t = torch.arange(n, dtype=torch.uint8)
     assert fingerprint(t) == fingerprint(t.clone())

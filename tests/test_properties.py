@@ -14,8 +14,7 @@ import math
 import os
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from torch import nn
 
 import zero_buffers as zb

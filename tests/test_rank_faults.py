@@ -276,7 +276,7 @@ def _gathered_commit(m: nn.Module, src: int, t: float | None) -> None:
 # name -> (call, failing rank, (module, attribute, replacement factory), step, error text, data collectives first)
 LOCAL_FAILURES = {
     "broadcast_buffers: a receiver cannot allocate": (
-        CALLS["broadcast_buffers"], 1, ("zero_buffers._wire", "receive_space", lambda: _raise(MemoryError("no room"))),
+        CALLS["broadcast_buffers"], 1, ("zero_buffers._core.wire", "receive_space", lambda: _raise(MemoryError("no room"))),
         "a rank could not take part", "MemoryError: no room", False),
     "broadcast_buffers: the source cannot pack a bucket": (
         CALLS["broadcast_buffers"], 0,
@@ -295,10 +295,10 @@ LOCAL_FAILURES = {
         "receiving failed", "ValueError: glitch", True),
     "frozen_replica: a receiver cannot allocate": (
         BUILT_ON_THE_CORE["frozen_replica"], 1,
-        ("zero_buffers._wire", "receive_space", lambda: _raise(MemoryError("no room"))),
+        ("zero_buffers._core.wire", "receive_space", lambda: _raise(MemoryError("no room"))),
         "a rank could not take part", "MemoryError: no room", False),
     "GatheredParametersAndBuffers: a receiver cannot allocate on exit": (
-        _gathered_commit, 1, ("zero_buffers._wire", "receive_space", lambda: _raise(MemoryError("no room"))),
+        _gathered_commit, 1, ("zero_buffers._core.wire", "receive_space", lambda: _raise(MemoryError("no room"))),
         "the body raised, or the commit could not start,", "MemoryError: no room", False),
 }
 DIGEST = ("all_gather", "torch.int64", 3)

@@ -37,8 +37,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import ZERO3_CONFIG, check_table, init_deepspeed
-from tests.helpers import run_table as _run_table
+from tests.helpers import ZERO3_CONFIG, check_table, init_deepspeed, run_table as _run_table
 
 # Entry names (tests.corpus imports transformers: keep it out of the parent process, which only checks results).
 ENTRIES = ("hf_resnet34", "hf_mobilenet_v2", "hf_regnet", "hf_llama", "diffusers_vqmodel", "diffusers_flux2_vae",

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
+from zero_buffers._core import modules as _modules
 
 STATS = ("running_mean", "running_var")
 
@@ -79,7 +80,7 @@ def _recompute(rank, world, wrap, global_batch):
         target = model
     data = shard(rank, counts(world)[rank])
     written = zb.recompute_bn_stats(target, data, global_batch=global_batch, progress=False, timeout=60)
-    got = stats(zb._modules.unwrap(target, "test"))
+    got = stats(_modules.unwrap(target, "test"))
     if wrap == "plain":  # the model's own API afterwards: dtype, device, its forward, save_pretrained, pickling
         import pickle
         import tempfile

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from zero_buffers import _args, _wire
+from zero_buffers._core import args as _args, wire as _wire
 
 
 def bn_net() -> nn.Module:
@@ -95,7 +95,7 @@ def test_averaging_statistics_every_rank_already_shares_says_so_and_points_to_re
 
 
 def test_a_single_process_call_warns_once_that_it_did_nothing():
-    from zero_buffers import _notice
+    from zero_buffers._core import notice as _notice
 
     _notice._SEEN.clear()
     model = bn_net()
@@ -141,7 +141,7 @@ def _accelerate_save_model(rank, world, folder):
 def test_accelerate_save_model_and_get_state_dict_on_the_main_process_warn_once_and_do_not_hang(ranks2, tmp_path):
     from safetensors.torch import load_file
 
-    from zero_buffers import _notice
+    from zero_buffers._core import notice as _notice
 
     (m0, mean0), (m1, _) = ranks2.run(_accelerate_save_model, str(tmp_path), timeout=120)
     assert len(m0) == 2 and "accelerator.save_model() writes the model's buffers as this rank holds them" in m0[0]

@@ -163,7 +163,7 @@ def _install_with_own_init(rank, world):
     deepspeed = init_deepspeed()
     torch.manual_seed(rank)
     calls, log = [], []
-    import zero_buffers._transaction as tx
+    import zero_buffers._core.transaction as tx
     real = tx.broadcast  # the one transactional broadcast every sync goes through: broadcast(g, entries, src, call, ..)
 
     def counting(g, entries, src, call, deadline, what, **kw):

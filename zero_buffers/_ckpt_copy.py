@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_files, _compare, _file_checks
+from . import _ckpt_files, _file_checks
+from ._core import compare as _compare
 from .errors import CheckpointError
 
 Bar = Callable[[Sequence[Any], str], Iterable[Any]]

@@ -8,8 +8,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import _args, _digest, _group, _modules, _notice, _transaction, _wire
 from ._compat import torch as torch_compat
+from ._core import (
+    args as _args,
+    digest as _digest,
+    group as _group,
+    modules as _modules,
+    notice as _notice,
+    transaction as _transaction,
+    wire as _wire,
+)
 
 
 def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Timeout = None) -> int:

@@ -14,9 +14,16 @@ from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
-from . import _args, _global_bn, _group, _modules, _structure, _transaction, _wire
-from ._compat import deepspeed as ds_compat
-from ._compat import torch as torch_compat
+from . import _global_bn
+from ._compat import deepspeed as ds_compat, torch as torch_compat
+from ._core import (
+    args as _args,
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from .errors import InvalidArgumentError, RecomputeError
 
 _FN = "recompute_bn_stats"

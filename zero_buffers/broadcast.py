@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _transaction, _wire
+from ._core import args as _args, group as _group, modules as _modules, transaction as _transaction, wire as _wire
 from .errors import InvalidArgumentError
 
 

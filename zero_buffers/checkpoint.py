@@ -9,10 +9,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _notice, _structure, _transaction, _wire, bn_average, bn_recompute
-from . import rules as rules_mod
-from ._compat import accelerate as acc_compat
-from ._compat import deepspeed as ds_compat
+from . import bn_average, bn_recompute, rules as rules_mod
+from ._compat import accelerate as acc_compat, deepspeed as ds_compat
+from ._core import (
+    args as _args,
+    group as _group,
+    modules as _modules,
+    notice as _notice,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from .bn_recompute import recompute_bn_stats
 from .errors import InvalidArgumentError
 from .report import assert_buffers_in_sync

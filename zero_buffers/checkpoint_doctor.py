@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from . import _atomic_dir, _ckpt_copy, _ckpt_files, _compare, _notice
+from . import _atomic_dir, _ckpt_copy, _ckpt_files
+from ._core import compare as _compare, notice as _notice
 from .errors import CheckpointError, InvalidArgumentError
 from .report import BufferReport, BufferRow
 

@@ -18,10 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _structure, _transaction, _wire
-from ._compat import deepspeed as ds_compat
-from ._compat import torch as torch_compat
-from ._rollback import Snapshot
+from ._compat import deepspeed as ds_compat, torch as torch_compat
+from ._core import (
+    args as _args,
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
+from ._core.rollback import Snapshot
 from .errors import InvalidArgumentError
 from .gathered import GatheredParametersAndBuffers, _zero_specs
 

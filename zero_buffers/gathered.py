@@ -15,10 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _args, _group, _modules, _notice, _owners, _structure, _transaction, _wire
-from ._compat import deepspeed as ds_compat
-from ._compat import torch as torch_compat
-from ._rollback import Snapshot
+from . import _owners
+from ._compat import deepspeed as ds_compat, torch as torch_compat
+from ._core import (
+    args as _args,
+    group as _group,
+    modules as _modules,
+    notice as _notice,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
+from ._core.rollback import Snapshot
 from .errors import InvalidArgumentError, ZeroBuffersError
 from .report import assert_buffers_in_sync
 

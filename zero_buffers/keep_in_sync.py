@@ -48,10 +48,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _args, _digest, _group, _modules, _structure, _transaction, _wire, bn_average
-from . import rules as rules_mod
-from ._compat import deepspeed as ds_compat
-from ._compat import torch as torch_compat
+from . import bn_average, rules as rules_mod
+from ._compat import deepspeed as ds_compat, torch as torch_compat
+from ._core import (
+    args as _args,
+    digest as _digest,
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
 
 _FN = "keep_in_sync"

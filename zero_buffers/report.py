@@ -9,7 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _compare, _digest, _group, _modules, _structure, _transaction, _wire
+from ._core import (
+    args as _args,
+    compare as _compare,
+    digest as _digest,
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from .errors import BuffersOutOfSyncError, CollectiveError
 
 SHORT_ROWS = 40  # above this many buffers, a report prints its differing rows only unless asked for every row

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _args, _group, _modules, _owners, _transaction, _wire
-from ._compat import deepspeed as ds_compat
-from ._compat import transformers as hf_compat
+from . import _owners
+from ._compat import deepspeed as ds_compat, transformers as hf_compat
+from ._core import args as _args, group as _group, modules as _modules, transaction as _transaction, wire as _wire
 from .broadcast import broadcast_buffers
 from .errors import ZeroBuffersError
 from .gathered import _Commit, resolve_group

@@ -4,7 +4,7 @@ hooks, where a call has them) makes every rank raise the same typed error naming
 default ``timeout=None`` (a rank left waiting would sit 300 s in a collective), with nothing changed anywhere (every
 buffer and parameter, the module's class), and the next call works.
 
-The failure is injected by replacing ``zero_buffers._transaction.reached`` on the faulty rank only: every transaction
+The failure is injected by replacing ``zero_buffers._core.transaction.reached`` on the faulty rank only: every transaction
 calls it at the start of each fallible phase's work. Real gloo ranks at world 2 and 4; the faulty rank is the last
 (a receiver) and, separately, rank 0 (the source of every broadcast).
 """
@@ -166,7 +166,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _fault_case(rank, world, name, phase, faulty):
-    from zero_buffers import _transaction
+    from zero_buffers._core import transaction as _transaction
     call, _, error = CALLS[name]
     zb.register_rules(Hooked, {"ema": "mean", "derived": "local"}, after_sync=Hooked.refresh)
     real = _transaction.reached
@@ -184,7 +184,7 @@ SETUP = {"sync_buffers_on_save(Accelerator)"}  # calls that build their target f
 
 def _faulty_call(rank, call, model, phase, faulty, error, real):
     """``call`` on this rank, failing at ``phase`` here if this is the faulty rank; then once more, fault-free."""
-    from zero_buffers import _transaction
+    from zero_buffers._core import transaction as _transaction
     before = _state(model)
 
     def fail(at: _transaction.Phase, what: str) -> None:

@@ -40,8 +40,8 @@ def _model(rank: int, shape: tuple[int, ...]) -> nn.Module:
 
 
 def _report(rank, world, shape, slice_bytes):
-    from zero_buffers import _digest
     from zero_buffers import report as report_mod
+    from zero_buffers._core import digest as _digest
 
     defaults = getattr(report_mod, "SLICE_BYTES", None), getattr(_digest, "_PIECE_BYTES", None)
     report_mod.SLICE_BYTES = _digest._PIECE_BYTES = slice_bytes

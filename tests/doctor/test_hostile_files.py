@@ -450,7 +450,7 @@ def _with_foreign_object(folder: Path, module: str, rank: int = 1) -> None:
 @pytest.fixture
 def warn_again():
     """trust_pickle's warning is given once per process: forget it around each test that expects it."""
-    from zero_buffers import _notice
+    from zero_buffers._core import notice as _notice
 
     _notice._SEEN.discard("trust_pickle")
     yield lambda: _notice._SEEN.discard("trust_pickle")

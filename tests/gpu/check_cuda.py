@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import zero_buffers as zb  # noqa: E402
-from zero_buffers import _digest, _group, _transaction  # noqa: E402
+from zero_buffers._core import digest as _digest, group as _group, transaction as _transaction  # noqa: E402
 
 
 def _net() -> nn.Module:

@@ -23,8 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from torch import nn
 
 from tests.helpers import bitwise_equal

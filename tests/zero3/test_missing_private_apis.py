@@ -20,8 +20,7 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import ZERO3_CONFIG, init_deepspeed
 from zero_buffers import _compat
-from zero_buffers._compat import deepspeed as ds_compat
-from zero_buffers._compat import transformers as hf_compat
+from zero_buffers._compat import deepspeed as ds_compat, transformers as hf_compat
 
 pytestmark = pytest.mark.stack
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _args, _modules
+from .._core import args as _args, modules as _modules
 from ..checkpoint import _check_policy, sync_buffers
 from ..errors import InvalidArgumentError
 from ..keep_in_sync import KeepInSync, hookless

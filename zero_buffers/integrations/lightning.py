@@ -12,7 +12,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from .. import _modules
+from .._core import modules as _modules
 from ._sync import SyncCallback
 
 

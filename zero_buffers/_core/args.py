@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError, InvalidSourceRankError
+from ..errors import InvalidArgumentError, InvalidSourceRankError
 
 Timeout = float | datetime.timedelta | None
 """Seconds (> 0) or a timedelta for the whole call; ``float("inf")`` for no bound; None (the default) for at most

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 
-from .errors import ZeroBuffersWarning
+from ..errors import ZeroBuffersWarning
 
 _SEEN: set[str] = set()
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from ._compat import deepspeed as ds_compat
+from .._compat import deepspeed as ds_compat
 
 _TABLES = ("_buffers", "_parameters", "_modules")
 

@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from . import _structure, _wire
-from ._compat import torch as torch_compat
-from ._group import Group
-from ._modules import Entry
-from .errors import CollectiveError, InvalidArgumentError, SyncAbortedError, UnsupportedDeviceError
+from .._compat import torch as torch_compat
+from ..errors import CollectiveError, InvalidArgumentError, SyncAbortedError, UnsupportedDeviceError
+from . import structure as _structure, wire as _wire
+from .group import Group
+from .modules import Entry
 
 Failure = BaseException | str | None
 """Why this rank cannot go on: an exception, a sentence, or None."""

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from . import _wire
-from ._compat import torch as torch_compat
-from ._group import Group
-from .errors import BufferStructureError
+from .._compat import torch as torch_compat
+from ..errors import BufferStructureError
+from . import wire as _wire
+from .group import Group
 
 VERSION = "zero_buffers/2"  # part of every digest: ranks running different wire formats never match
 

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ._compat import deepspeed as ds_compat
-from ._compat import torch as torch_compat
-from .errors import InvalidArgumentError
+from .._compat import deepspeed as ds_compat, torch as torch_compat
+from ..errors import InvalidArgumentError
 
 Entry = tuple[str, torch.Tensor]
 """A tensor a call synchronises, by the qualified name that identifies it on every rank."""

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._compat import torch as torch_compat
-from .errors import DistributedSetupError, InvalidArgumentError, InvalidSourceRankError
+from .._compat import torch as torch_compat
+from ..errors import DistributedSetupError, InvalidArgumentError, InvalidSourceRankError
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _args
-from ._compat import torch as torch_compat
-from ._group import Group
-from .errors import CollectiveError
+from .._compat import torch as torch_compat
+from ..errors import CollectiveError
+from . import args as _args
+from .group import Group
 
 BUCKET_BYTES = 250 * 2 ** 20
 

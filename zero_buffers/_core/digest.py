@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from . import _compare, _wire
-from ._compat import torch as torch_compat
+from .._compat import torch as torch_compat
+from . import compare as _compare, wire as _wire
 
 _IN_PLACE_BYTES = 1 << 16  # host tensors this large are hashed where they are; smaller ones are packed together
 _PIECE_BYTES = 4 << 20  # a non-contiguous host tensor is hashed through copies of at most this many bytes
