@@ -294,7 +294,7 @@ def test_keep_in_sync_mixes_mean_and_broadcast_without_batchnorm_and_follows_swa
 
 
 def _pack_fails(rank, world):
-    from zero_buffers import bn_average
+    from zero_buffers.bn import average as bn_average
     out = {}
     torch.manual_seed(0)
     model = Small()

@@ -287,7 +287,7 @@ LOCAL_FAILURES = {
                                         lambda: _after_issuing("broadcast", ValueError("disk"))),
         "receiving failed", "ValueError: disk", True),
     "average_bn_stats: a rank cannot pack its sums": (
-        CALLS["average_bn_stats"], 1, ("zero_buffers.bn_average", "_pack", lambda: _raise(MemoryError("no room"))),
+        CALLS["average_bn_stats"], 1, ("zero_buffers.bn.average", "_pack", lambda: _raise(MemoryError("no room"))),
         "a rank could not take part", "MemoryError: no room", False),
     "average_bn_stats: a rank fails after the all-reduce went out": (
         CALLS["average_bn_stats"], 1, ("torch.distributed", "all_reduce",

@@ -2,8 +2,8 @@
 
 __version__ = "0.5.0"
 
-from .bn_average import average_bn_stats
-from .bn_recompute import recompute_bn_stats
+from .bn.average import average_bn_stats
+from .bn.recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
 from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
 from .checkpoint_doctor import (

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import bn_average, bn_recompute, rules as rules_mod
+from . import rules as rules_mod
 from ._compat import accelerate as acc_compat, deepspeed as ds_compat
 from ._core import (
     args as _args,
@@ -20,7 +20,8 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from .bn_recompute import recompute_bn_stats
+from .bn import average as bn_average, recompute as bn_recompute
+from .bn.recompute import recompute_bn_stats
 from .errors import InvalidArgumentError
 from .report import assert_buffers_in_sync
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import bn_average, rules as rules_mod
+from . import rules as rules_mod
 from ._compat import deepspeed as ds_compat, torch as torch_compat
 from ._core import (
     args as _args,
@@ -59,6 +59,7 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
+from .bn import average as bn_average
 from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
 
 _FN = "keep_in_sync"

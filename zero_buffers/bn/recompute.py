@@ -14,9 +14,8 @@ from torch import nn
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import is_lazy
 
-from . import _global_bn
-from ._compat import deepspeed as ds_compat, torch as torch_compat
-from ._core import (
+from .._compat import deepspeed as ds_compat, torch as torch_compat
+from .._core import (
     args as _args,
     group as _group,
     modules as _modules,
@@ -24,7 +23,8 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from .errors import InvalidArgumentError, RecomputeError
+from ..errors import InvalidArgumentError, RecomputeError
+from . import _global_batch as _global_bn
 
 _FN = "recompute_bn_stats"
 

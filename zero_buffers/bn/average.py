@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._compat import torch as torch_compat
-from ._core import (
+from .._compat import torch as torch_compat
+from .._core import (
     args as _args,
     digest as _digest,
     group as _group,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._core import group as _group, modules as _modules, wire as _wire
+from .._core import group as _group, modules as _modules, wire as _wire
 
 _HEAD = 5  # present, index, index^2, done, n
 
