@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
 
     import zero_buffers as zb
-    from zero_buffers import _owners
+    from zero_buffers.zero3 import _owners
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")

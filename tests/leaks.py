@@ -39,12 +39,12 @@ def snapshot() -> dict[str, Any]:
     tr = sys.modules.get("zero_buffers._core.transaction")
     if tr is not None:
         out["zero_buffers _transaction.reached"] = tr.reached
-    zi = sys.modules.get("zero_buffers.zero_init")
+    zi = sys.modules.get("zero_buffers.zero3.zero_init")
     if zi is not None:
         out["zero_buffers installed()"] = zi.installed()
         out["zero_buffers Init recorders"] = len(zi._recorders)
         out["zero_buffers Init depth"] = zi._own_depth
-    nz = sys.modules.get("zero_buffers.no_zero_init")
+    nz = sys.modules.get("zero_buffers.zero3.no_zero_init")
     if nz is not None:
         out["zero_buffers no_zero_init depth"] = nz._depth
     acc = sys.modules.get("accelerate.state")

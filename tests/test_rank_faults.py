@@ -276,7 +276,8 @@ def _gathered_commit(m: nn.Module, src: int, t: float | None) -> None:
 # name -> (call, failing rank, (module, attribute, replacement factory), step, error text, data collectives first)
 LOCAL_FAILURES = {
     "broadcast_buffers: a receiver cannot allocate": (
-        CALLS["broadcast_buffers"], 1, ("zero_buffers._core.wire", "receive_space", lambda: _raise(MemoryError("no room"))),
+        CALLS["broadcast_buffers"], 1,
+        ("zero_buffers._core.wire", "receive_space", lambda: _raise(MemoryError("no room"))),
         "a rank could not take part", "MemoryError: no room", False),
     "broadcast_buffers: the source cannot pack a bucket": (
         CALLS["broadcast_buffers"], 0,

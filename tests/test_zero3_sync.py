@@ -637,14 +637,16 @@ def test_install_without_a_process_group_patches_and_restores(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     from deepspeed.runtime.zero import partition_parameters as pp
     from transformers.modeling_utils import PreTrainedModel
+
+    from zero_buffers.zero3 import zero_init
     base = pp.InsertPostInitMethodToModuleSubClasses
     originals = (base.__enter__, base.__exit__, pp.GatheredParameters.__enter__,
                  PreTrainedModel.__dict__["from_pretrained"])
     with zb.install() as handle:
         assert handle.owner and zb.installed() and base.__enter__ is not originals[0]
         assert not zb.install().owner  # idempotent
-        assert zb.zero_init.sync_built_modules([VQ()], failed=False, src=0, group=None, timeout=None,
-                                               what="test") == 0  # no process group: the sync is a no-op
+        assert zero_init.sync_built_modules([VQ()], failed=False, src=0, group=None, timeout=None,
+                                            what="test") == 0  # no process group: the sync is a no-op
     assert not zb.installed()
     assert (base.__enter__, base.__exit__, pp.GatheredParameters.__enter__,
             PreTrainedModel.__dict__["from_pretrained"]) == originals
@@ -702,7 +704,7 @@ def _zero3_details(rank, world):
     parameter's data for another shape is refused on every rank; include_parameters leaves ZeRO parameters alone."""
     import warnings
 
-    from zero_buffers import zero_init
+    from zero_buffers.zero3 import zero_init
 
     deepspeed = init_deepspeed()
     out = {}

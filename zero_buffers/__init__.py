@@ -29,13 +29,13 @@ from .errors import (
     ZeroBuffersError,
     ZeroBuffersWarning,
 )
-from .frozen_replica import frozen_replica, is_frozen_replica
-from .gathered import GatheredParametersAndBuffers
 from .keep_in_sync import KeepInSync, keep_in_sync
-from .no_zero_init import no_zero_init
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
 from .rules import register_rules
-from .zero_init import Init, install, installed, uninstall
+from .zero3.frozen_replica import frozen_replica, is_frozen_replica
+from .zero3.gathered import GatheredParametersAndBuffers
+from .zero3.no_zero_init import no_zero_init
+from .zero3.zero_init import Init, install, installed, uninstall
 
 __all__ = [
     "BufferReport",

@@ -4,9 +4,9 @@ hooks, where a call has them) makes every rank raise the same typed error naming
 default ``timeout=None`` (a rank left waiting would sit 300 s in a collective), with nothing changed anywhere (every
 buffer and parameter, the module's class), and the next call works.
 
-The failure is injected by replacing ``zero_buffers._core.transaction.reached`` on the faulty rank only: every transaction
-calls it at the start of each fallible phase's work. Real gloo ranks at world 2 and 4; the faulty rank is the last
-(a receiver) and, separately, rank 0 (the source of every broadcast).
+The failure is injected by replacing ``zero_buffers._core.transaction.reached`` on the faulty rank only: every
+transaction calls it at the start of each fallible phase's work. Real gloo ranks at world 2 and 4; the faulty rank is
+the last (a receiver) and, separately, rank 0 (the source of every broadcast).
 """
 from __future__ import annotations
 

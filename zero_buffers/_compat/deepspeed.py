@@ -255,7 +255,7 @@ def original(name: str) -> Any:
     return _ORIGINAL[name]
 
 
-_PASS_THROUGH_FRAMES = ("torch.nn.modules.module", "zero_buffers.frozen_replica")
+_PASS_THROUGH_FRAMES = ("torch.nn.modules.module", "zero_buffers.zero3.frozen_replica")
 
 
 def deepspeed_caller(skip: int = 2) -> Any:

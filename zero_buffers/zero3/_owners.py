@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from ._compat import deepspeed as ds_compat
-from ._core.modules import Entry, is_wrapper, named_buffers
+from .._compat import deepspeed as ds_compat
+from .._core.modules import Entry, is_wrapper, named_buffers
 
 # ---- the record (install() / zero_buffers.Init) ------------------------------------------------------------------
 _by_ds_id: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # ds_id -> owning module

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ._compat import deepspeed as ds_compat, transformers as hf_compat
+from .._compat import deepspeed as ds_compat, transformers as hf_compat
 
 _depth = 0  # only the outermost no_zero_init escapes and restores
 

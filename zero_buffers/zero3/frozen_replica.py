@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._compat import deepspeed as ds_compat, torch as torch_compat
-from ._core import (
+from .._compat import deepspeed as ds_compat, torch as torch_compat
+from .._core import (
     args as _args,
     group as _group,
     modules as _modules,
@@ -27,8 +28,8 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from ._core.rollback import Snapshot
-from .errors import InvalidArgumentError
+from .._core.rollback import Snapshot
+from ..errors import InvalidArgumentError
 from .gathered import GatheredParametersAndBuffers, _zero_specs
 
 _FN = "frozen_replica"
@@ -47,6 +48,15 @@ def is_frozen_replica(module: nn.Module) -> bool:
 def _rebuild(cls: type, root: bool, no_grad: bool) -> nn.Module:
     """Unpickling and deepcopy: an empty instance of the frozen type (pickle then restores its state)."""
     return object.__new__(_frozen_type(cls, root, no_grad))
+
+
+# [Note: pickled replicas]
+# A pickled replica (pickle, torch.save of the module, copy.deepcopy) names _rebuild by its module's path, and files
+# written by zero_buffers 0.4 and 0.5 name zero_buffers.frozen_replica._rebuild, this module's path before the
+# package was laid out in wings. This module answers to that name too, so those files still load; new pickles name
+# zero_buffers.zero3.frozen_replica._rebuild. Only the entry in sys.modules: the attribute zero_buffers.frozen_replica
+# stays the function (a module found in sys.modules is not bound on its parent package again).
+sys.modules.setdefault("zero_buffers.frozen_replica", sys.modules[__name__])
 
 
 def _weights(m: nn.Module) -> Iterator[tuple[str, torch.Tensor | None]]:

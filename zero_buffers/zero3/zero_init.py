@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import deepspeed as ds_compat, transformers as hf_compat
+from .._core import args as _args, group as _group, modules as _modules, transaction as _transaction, wire as _wire
+from ..broadcast import broadcast_buffers
+from ..errors import ZeroBuffersError
 from . import _owners
-from ._compat import deepspeed as ds_compat, transformers as hf_compat
-from ._core import args as _args, group as _group, modules as _modules, transaction as _transaction, wire as _wire
-from .broadcast import broadcast_buffers
-from .errors import ZeroBuffersError
 from .gathered import _Commit, resolve_group
 
 _recorders: list[list[nn.Module]] = []  # one list per recording context; every module zero.Init converts goes to each

@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _owners
-from ._compat import deepspeed as ds_compat, torch as torch_compat
-from ._core import (
+from .._compat import deepspeed as ds_compat, torch as torch_compat
+from .._core import (
     args as _args,
     group as _group,
     modules as _modules,
@@ -26,9 +25,10 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from ._core.rollback import Snapshot
-from .errors import InvalidArgumentError, ZeroBuffersError
-from .report import assert_buffers_in_sync
+from .._core.rollback import Snapshot
+from ..errors import InvalidArgumentError, ZeroBuffersError
+from ..report import assert_buffers_in_sync
+from . import _owners
 
 _FN = "GatheredParametersAndBuffers"
 _UNCHANGED = "nothing was committed: parameters and buffers are as before the context"
