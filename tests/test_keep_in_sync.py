@@ -10,6 +10,7 @@ from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import bitwise_equal, messages
+from zero_buffers.training import rules as rules_mod
 
 BIG = 2 ** 60
 STEPS = 4
@@ -170,7 +171,7 @@ def _vq_steps(rank, world):
         handle.remove()
         return diffs
     finally:
-        zb.rules._REGISTRY.pop(Codebook, None)
+        rules_mod._REGISTRY.pop(Codebook, None)
 
 
 def test_keep_in_sync_keeps_a_vq_codebook_equal_to_mean_all_reduced_statistics_step_by_step(ranks2):

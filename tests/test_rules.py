@@ -13,6 +13,7 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import bitwise_equal, messages
 from tests.test_bn_average import _mixture
+from zero_buffers.training import rules as rules_mod
 
 BIG = 2 ** 60  # int64 values past 2**53: a float64 bucket would round them
 
@@ -223,7 +224,7 @@ def _ema_exactness(rank, world):
                  (("ours", ours), ("ref", reference))}
         return diffs, state
     finally:
-        zb.rules._REGISTRY.pop(Codebook, None)
+        rules_mod._REGISTRY.pop(Codebook, None)
 
 
 def test_mean_rules_after_every_step_equal_a_vq_codebook_whose_statistics_are_mean_all_reduced(ranks):

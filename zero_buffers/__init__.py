@@ -5,7 +5,6 @@ __version__ = "0.5.0"
 from .bn.average import average_bn_stats
 from .bn.recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
-from .checkpoint import SaveHook, sync_buffers, sync_buffers_on_save
 from .checkpoint_doctor import (
     CheckpointReport,
     RepairResult,
@@ -29,9 +28,10 @@ from .errors import (
     ZeroBuffersError,
     ZeroBuffersWarning,
 )
-from .keep_in_sync import KeepInSync, keep_in_sync
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
-from .rules import register_rules
+from .training.keep_in_sync import KeepInSync, keep_in_sync
+from .training.rules import register_rules
+from .training.save_hooks import SaveHook, sync_buffers, sync_buffers_on_save
 from .zero3.frozen_replica import frozen_replica, is_frozen_replica
 from .zero3.gathered import GatheredParametersAndBuffers
 from .zero3.no_zero_init import no_zero_init

@@ -22,6 +22,7 @@ from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import bitwise_equal, scramble
+from zero_buffers.training import rules as rules_mod
 
 
 class Hooked(nn.Module):
@@ -176,7 +177,7 @@ def _fault_case(rank, world, name, phase, faulty):
             return _faulty_call(rank, run, model, phase, faulty, error, real)
     finally:
         _transaction.reached = real
-        zb.rules._REGISTRY.pop(Hooked, None)
+        rules_mod._REGISTRY.pop(Hooked, None)
 
 
 SETUP = {"sync_buffers_on_save(Accelerator)"}  # calls that build their target first (a context manager)

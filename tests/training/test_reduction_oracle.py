@@ -122,8 +122,8 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def run_scenario(rank: int, world: int, scn: dict) -> list[tuple[dict, dict]]:
     """Drive the scenario on this rank; per sync, (what this rank held right before it, what it held after)."""
     import zero_buffers as zb
-    from zero_buffers.checkpoint import _RepeatedSaves
     from zero_buffers.integrations._sync import StepSync
+    from zero_buffers.training.save_hooks import _RepeatedSaves
 
     model = Bank(scn["momentum"])
     with torch.no_grad():

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core import args as _args, modules as _modules
-from ..checkpoint import _check_policy, sync_buffers
 from ..errors import InvalidArgumentError
-from ..keep_in_sync import KeepInSync, hookless
-from ..rules import Rules
+from ..training.keep_in_sync import KeepInSync, hookless
+from ..training.rules import Rules
+from ..training.save_hooks import _check_policy, sync_buffers
 
 
 @dataclass

@@ -48,9 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import rules as rules_mod
-from ._compat import deepspeed as ds_compat, torch as torch_compat
-from ._core import (
+from .._compat import deepspeed as ds_compat, torch as torch_compat
+from .._core import (
     args as _args,
     digest as _digest,
     group as _group,
@@ -59,8 +58,9 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from .bn import average as bn_average
-from .errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
+from ..bn import average as bn_average
+from ..errors import BufferStructureError, InvalidArgumentError, SyncAbortedError
+from . import rules as rules_mod
 
 _FN = "keep_in_sync"
 _MARK = "_zero_buffers_keep_in_sync"  # on the module while a handle keeps it in sync

@@ -9,9 +9,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import rules as rules_mod
-from ._compat import accelerate as acc_compat, deepspeed as ds_compat
-from ._core import (
+from .._compat import accelerate as acc_compat, deepspeed as ds_compat
+from .._core import (
     args as _args,
     group as _group,
     modules as _modules,
@@ -20,10 +19,11 @@ from ._core import (
     transaction as _transaction,
     wire as _wire,
 )
-from .bn import average as bn_average, recompute as bn_recompute
-from .bn.recompute import recompute_bn_stats
-from .errors import InvalidArgumentError
-from .report import assert_buffers_in_sync
+from ..bn import average as bn_average, recompute as bn_recompute
+from ..bn.recompute import recompute_bn_stats
+from ..errors import InvalidArgumentError
+from ..report import assert_buffers_in_sync
+from . import rules as rules_mod
 
 Policy = Literal["broadcast", "average", "recompute", "check"]
 POLICIES: tuple[str, ...] = ("broadcast", "average", "recompute", "check")
@@ -41,7 +41,7 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     """Make ``model``'s buffers identical on every rank according to ``policy`` and ``rules``; call it on every rank
     before saving.
 
-    ``rules`` declares a reduction per buffer (:mod:`zero_buffers.rules`): ``{"*.cluster_size": "mean",
+    ``rules`` declares a reduction per buffer (:mod:`zero_buffers.training.rules`): ``{"*.cluster_size": "mean",
     MoERouter: {"tokens_per_expert": "sum"}, "*.rng_offset": "local"}``, with ``"broadcast"``, ``"mean"``,
     ``"sum"``, ``"max"``, ``"min"``, ``"bn"`` and ``"local"``; buffers no rule names take the default (a
     BatchNorm's statistics ``"bn"``, the rest ``"broadcast"``) or the rules their class registered

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._compat import torch as torch_compat
-from ._core import modules as _modules, notice as _notice, transaction as _transaction, wire as _wire
-from ._core.group import Group
-from .bn import average as bn_average, recompute as bn_recompute
-from .errors import InvalidArgumentError
+from .._compat import torch as torch_compat
+from .._core import modules as _modules, notice as _notice, transaction as _transaction, wire as _wire
+from .._core.group import Group
+from ..bn import average as bn_average, recompute as bn_recompute
+from ..errors import InvalidArgumentError
 
 Rule = Literal["broadcast", "mean", "sum", "max", "min", "bn", "local"]
 RULES: tuple[str, ...] = ("broadcast", "mean", "sum", "max", "min", "bn", "local")
