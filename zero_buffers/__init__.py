@@ -5,13 +5,8 @@ __version__ = "0.5.0"
 from .bn.average import average_bn_stats
 from .bn.recompute import recompute_bn_stats
 from .broadcast import broadcast_buffers
-from .checkpoint_doctor import (
-    CheckpointReport,
-    RepairResult,
-    checkpoint_report,
-    recover_checkpoint,
-    repair_checkpoint,
-)
+from .doctor.repair import RepairResult, recover_checkpoint, repair_checkpoint
+from .doctor.report import CheckpointReport, checkpoint_report
 from .errors import (
     BuffersOutOfSyncError,
     BufferStructureError,

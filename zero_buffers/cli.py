@@ -169,7 +169,8 @@ def _doctor_parsers(sub: Any) -> None:
 def doctor(args: argparse.Namespace) -> int:
     """Run inspect / diff / repair: exit 0 when all agree (or the repair is written), 1 when buffers differ,
     2 when a checkpoint cannot be read or repaired."""
-    from .checkpoint_doctor import checkpoint_report, recover_checkpoint, repair_checkpoint
+    from .doctor.repair import recover_checkpoint, repair_checkpoint
+    from .doctor.report import checkpoint_report
     from .errors import ZeroBuffersError
 
     common = {"tag": args.tag, "trust_pickle": args.trust_pickle, "progress": args.progress}

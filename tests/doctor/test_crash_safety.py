@@ -35,7 +35,7 @@ STRACE = shutil.which("strace")
 pytestmark = pytest.mark.skipif(STRACE is None, reason="strace is not installed: crash injection needs "
                                                         "strace -e inject=...:signal=KILL")
 STEPS = ("mkdir", "fsync", "rename", "renameat2", "unlink", "unlinkat", "rmdir", "symlink")
-NO_EXCHANGE = ("import sys; import zero_buffers._atomic_dir as a; a.exchange = lambda x, y: False; "
+NO_EXCHANGE = ("import sys; import zero_buffers.doctor._atomic as a; a.exchange = lambda x, y: False; "
                "from zero_buffers import cli; sys.exit(cli.main(sys.argv[1:]))")
 
 

@@ -14,7 +14,7 @@ import pytest
 import zero_buffers as zb
 from tests.doctor import files
 from tests.doctor.files import doctor, snapshot
-from zero_buffers import _atomic_dir
+from zero_buffers.doctor import _atomic as _atomic_dir
 
 
 def _ino(p: Path) -> list[int]:

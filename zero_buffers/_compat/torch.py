@@ -180,7 +180,7 @@ def dcp_metadata(path: str, trust_pickle: bool = False) -> Any:
     """The ``.metadata`` of a DCP folder, unpickled by the allowlist (or, with ``trust_pickle``, by ``pickle``), and
     checked: each entry's data lies in a regular file of the folder, inside it, and every tensor declares no more
     bytes than its files hold. CheckpointError naming the file otherwise."""
-    from .. import _file_checks
+    from ..doctor import _checks as _file_checks
     from ..errors import CheckpointError
 
     file = pathlib.Path(path) / ".metadata"
@@ -206,7 +206,7 @@ def _check_dcp(folder: pathlib.Path, file: pathlib.Path, metadata: Any) -> None:
     stored through a DCP extension (compression), and no tensor declares more bytes than its entries hold."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-    from .. import _file_checks
+    from ..doctor import _checks as _file_checks
     from ..errors import CheckpointError
 
     def refuse(what: str) -> CheckpointError:
@@ -295,7 +295,7 @@ def _checked_reader() -> type:
             return metadata
 
         def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            from .. import _file_checks
+            from ..doctor import _checks as _file_checks
             from ..errors import CheckpointError
 
             where = f"{pathlib.Path(self.path) / sinfo.relative_path} (bytes {sinfo.offset}..)"

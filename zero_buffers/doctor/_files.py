@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from . import _file_checks
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from . import _checks as _file_checks
 
 TENSOR_SUFFIXES = (*_file_checks.TORCH_SUFFIXES, ".safetensors")
 _ZERO3_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -51,7 +51,7 @@ def _safetensors() -> Any:
         import safetensors
         import safetensors.torch
     except ImportError as e:
-        from ._compat import missing
+        from .._compat import missing
         raise missing("safetensors", "safetensors.safe_open to read .safetensors files",
                       "pip install safetensors") from e
     return safetensors
@@ -349,7 +349,7 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
         finally:
             handle.__exit__(None, None, None)
     else:
-        from ._compat import torch as compat
+        from .._compat import torch as compat
 
         metadata = compat.dcp_metadata(str(sf.path), trust_pickle)
         meta = compat.dcp_tensors(metadata)
@@ -370,7 +370,7 @@ _SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16
 
 def dcp_writers(sf: StateFile, trust_pickle: bool = False) -> dict[str, set[int]]:
     """For a DCP folder: entry -> ranks whose files hold it."""
-    from ._compat import torch as compat
+    from .._compat import torch as compat
 
     return compat.dcp_writers(compat.dcp_metadata(str(sf.path), trust_pickle))
 

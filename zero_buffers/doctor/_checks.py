@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header: 30 bytes, then the name and the extra field

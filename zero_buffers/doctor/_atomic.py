@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.zb-(?:(?P<role>repair|old)-[0-9a-f]{8}|(?P<journal>journal)(?P<tmp>\.tmp)?)$")
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2

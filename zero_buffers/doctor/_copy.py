@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_files, _file_checks
-from ._core import compare as _compare
-from .errors import CheckpointError
+from .._core import compare as _compare
+from ..errors import CheckpointError
+from . import _checks as _file_checks, _files as _ckpt_files
 
 Bar = Callable[[Sequence[Any], str], Iterable[Any]]
 
