@@ -56,13 +56,13 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     materialize = _args.flag(materialize, "materialize", fn)
     deadline = _wire.Deadline(_args.timeout(timeout, fn))
     g = _group.resolve(group, fn)
-    _group.check_src(g, src, fn)
+    _group.check_src(g, src, fn)  # src counts within the group ([Note: rank convention])
     if g is None:
         return 0
     entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     if materialize:
         return _materialize(module, g, entries, src, include_parameters, deadline, fn)
-    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn)
+    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn)  # [Note: the transaction]
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "npu", "mps", "mtia")  # a device type as a small int, for the vote

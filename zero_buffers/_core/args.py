@@ -96,7 +96,8 @@ def atol(value: Any, fn: str) -> float:
 
 def rank(value: Any, name: str, fn: str) -> int:
     """Every rank argument (``src``, ``modifier_rank``): an int >= 0 (NumPy ints and 0-dim integer tensors too),
-    else InvalidSourceRankError. Whether it is in the group is checked later, with the group."""
+    else InvalidSourceRankError. Whether it is in the group is checked later, with the group (``group.check_src``;
+    [Note: rank convention] in group.py)."""
     try:
         r = None if isinstance(value, bool) else operator.index(value)
     except TypeError:

@@ -1,9 +1,15 @@
-"""The process group a call runs over (a ProcessGroup, a DeviceMesh or one of its dimensions), and the one rank
-convention: rank arguments are ranks *within* the group.
+"""The process group a call runs over (a ProcessGroup, a DeviceMesh or one of its dimensions), resolved once per
+call into a :class:`Group`, and the one rank convention.
 
-``src=1`` with a group of global ranks (4, 5, 6, 7) means global rank 5, as DeepSpeed's ``modifier_rank``
-and torch's ``group_src`` mean it; over the default group both conventions coincide. Reports and error
-messages name global ranks (the ones in your logs).
+[Note: rank convention]
+Every rank argument (``src``, ``modifier_rank``) counts *within* the group it is used with: ``src=1`` with a group
+of global ranks (4, 5, 6, 7) is global rank 5. That is DeepSpeed's ``modifier_rank`` and torch's ``group_src``;
+with it ``install()`` and ``Init`` sync every data-parallel group from its own first rank, whatever the
+model-parallel layout. Over the default group a group rank is the global rank. Reports (``BufferReport.ranks``,
+``differing_ranks``) and error messages name global ranks, the ones in your logs: :attr:`Group.ranks` lists the
+members' global ranks in group order, so ``g.ranks[i]`` names member ``i``. One validator, ``args.rank`` (and
+``args.optional_rank`` for ``modifier_rank=None``), checks every rank argument at the call, before the group is
+resolved; :func:`check_src` checks it against the group, before any collective.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from ..errors import DistributedSetupError, InvalidArgumentError, InvalidSourceR
 
 @dataclass(frozen=True)
 class Group:
-    """A process group resolved for one call: its members (global ranks, in group order) and this rank's place."""
+    """A process group resolved for one call: its members (global ranks, in group order) and this rank's place
+    (``me``, a group rank: [Note: rank convention])."""
 
     pg: Any
     ranks: tuple[int, ...]
@@ -98,7 +105,8 @@ def _from_mesh(group: Any, fn: str) -> Any:
 
 
 def check_src(g: Group | None, src: int, fn: str, name: str = "src") -> None:
-    """InvalidSourceRankError unless ``src`` is a rank within the group (checked before any collective)."""
+    """InvalidSourceRankError unless ``src`` is a rank within the group (checked before any collective;
+    [Note: rank convention])."""
     if g is None:
         if not initialized() and src != 0:
             raise InvalidSourceRankError(f"{fn}(): {name}={src} but torch.distributed is not initialised (the only "

@@ -2,7 +2,7 @@
 
 [Note: the transaction]
 Every public function that changes buffers runs through :func:`commit` (keep_in_sync's steady state keeps the same
-phases in its own, leaner loop: [Note: steady state] in keep_in_sync.py). The phases, in order, and what each
+phases in its own, leaner loop: [Note: steady state] in training/keep_in_sync.py). The phases, in order, and what each
 guarantees (:class:`Phase`):
 
     PREPARE   each rank alone: checks its tensors can be sent and written (meta, non-strided, quantized, inference
@@ -26,7 +26,7 @@ CollectiveError on the others with nothing written; one dying between RECEIVED a
 (they have all the data). WRITE is the one step that is not a vote: it only copies, so nothing but a device fault
 can interrupt it.
 
-[Note: rank convention] lives in _group.py.
+[Note: rank convention] lives in group.py.
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def abort_if_any(g: Group, statuses: Sequence[int], failure: Failure, deadline: 
                  step: str, unchanged: str, error: type[SyncAbortedError] = SyncAbortedError) -> None:
     """If any member's status is non-zero, raise the same ``error`` on every rank (reasons included, gathered
     under the deadline), chained to this rank's own exception. ``step`` names what failed."""
-    failed = tuple(r for r, s in zip(g.ranks, statuses) if s)
+    failed = tuple(r for r, s in zip(g.ranks, statuses) if s)  # errors name global ranks ([Note: rank convention])
     if not failed:
         return
     try:  # a courtesy: a peer dying here leaves the reasons out, not the error

@@ -67,12 +67,13 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
     def exchange(sums: torch.Tensor) -> None:
         _wire.all_reduce(g, sums, deadline, fn)
 
-    def compute(sums: torch.Tensor) -> None:
+    def compute(sums: torch.Tensor) -> None:  # the merge is computed before the receive vote, the write only copies
         merged.append(merge(bns, sums))
 
     def write(_: torch.Tensor) -> None:
         apply(merged[0])
 
+    # [Note: the transaction]; the sums: [Note: the BatchNorm sums]
     contents = _transaction.commit(g, (fn,), entries, deadline, fn, prepare=prepare, exchange=exchange, apply=write,
                                    compute=compute, extra=stats_digest(g, entries, fn))
     layers = sum(total > 0 for total in merged[0].totals)

@@ -2,8 +2,8 @@
 group, no GPU); the ``zero-buffers inspect | diff | repair`` commands.
 
 - ``report``: ``checkpoint_report`` / ``CheckpointReport``, and the reading and comparing a repair shares.
-- ``repair``: ``repair_checkpoint`` / ``RepairResult`` and ``recover_checkpoint`` ([Note: what the doctor may
-  write]).
+- ``repair``: ``repair_checkpoint`` / ``RepairResult`` and ``recover_checkpoint``
+  ([Note: what the doctor may write]).
 - ``_files``: which kind a path is (DeepSpeed, DCP, Accelerate, per-rank files, one file), its lazy readers and the
   writers of a rank file.
 - ``_checks``: what is checked before a file someone else wrote is opened (regular files only, content of the kind

@@ -1,5 +1,6 @@
 """Private: put a repaired folder in place so that a crash at any instant leaves the old or the new one whole, and
-find, describe and undo what an interrupted repair left behind.
+find, describe and undo what an interrupted repair left behind: the mechanism of [Note: what the doctor may write]
+(repair.py).
 
 Names, all hidden beside the folder ``NAME`` they belong to (same parent, so same file system):
 

@@ -2,7 +2,7 @@
 
 Rank files whose buffers change are rewritten and re-read; everything else is copied as it is: regular files as
 bytes, symbolic links as links (never followed: a link to ``/dev/zero`` or a loop is copied, not read), folders
-with what they hold. Every file written is fsynced (the folders are, by ``_atomic_dir``, before the copy is put in
+with what they hold. Every file written is fsynced (the folders are, by ``_atomic``, before the copy is put in
 place). A FIFO, socket or device inside the folder is refused before anything is written.
 """
 from __future__ import annotations

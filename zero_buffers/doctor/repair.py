@@ -136,7 +136,7 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     n = len(lay.files)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
         raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
-    target, notes = _destination(lay, out, in_place)
+    target, notes = _destination(lay, out, in_place)  # [Note: what the doctor may write]: never the input
     recovered += _atomic_dir.recover(target)  # beside a linked tag folder, or an -o output's staging folders
     _ckpt_copy.refuse_specials(lay.unit)
     for f in _bar(lay.files, "checking", progress):  # the copy must not carry a corrupt input along
@@ -168,7 +168,7 @@ def _write(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values
            target: Path, in_place: bool, trust_pickle: bool, progress: bool | None) -> tuple[list[str], int, list[str]]:
     """Build the copy in a staging folder beside ``target`` and put it in place (a new folder, or exchanged with
     the input's); on failure remove it and raise CheckpointError."""
-    stage = target.parent / _atomic_dir.stage_name(target.name)
+    stage = target.parent / _atomic_dir.stage_name(target.name)  # [Note: what the doctor may write]
     try:
         stage.mkdir()
     except OSError as e:

@@ -277,6 +277,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     atol = _atol(atol)
     patterns = _patterns(only)
     _trust(trust_pickle)
+    # reported, never touched ([Note: what the doctor may write] in repair.py)
     leftovers = [plan.warning(str(p)) for p in (path, *more) for plan in _atomic_dir.plans(Path(p))]
     try:
         layouts = [_ckpt_files.locate(p, tag, trust_pickle) for p in (path, *more)]

@@ -14,7 +14,7 @@ The structure is agreed once, at the first sync (one small all_gather naming any
    submodule more; C-level passes over kept lists). Tensors or modules replaced by ones of the same structure, on
    every rank or one, are taken up; a different structure is *announced*, not acted on alone (PREPARE);
 2. packs every reduced kind (and, on the source, every broadcast bucket) into flat tensors kept between calls, and
-   its BatchNorm contribution ([Note: the BatchNorm sums] in bn_average.py) into the check's tensor (PREPARE);
+   its BatchNorm contribution ([Note: the BatchNorm sums] in bn/average.py) into the check's tensor (PREPARE);
 3. one collective per reduction kind and bucket, into those flats (int64 stays int64; 16-bit floats are reduced in
    float64 and rounded once). Every rank issues all of them whatever it found in steps 1-2 (EXCHANGE);
 4. all-reduces ``[failed flag per member, changed flag per member]`` together with the BatchNorm sums: the vote.
@@ -25,12 +25,12 @@ The structure is agreed once, at the first sync (one small all_gather naming any
 6. only where registered rules have ``after_sync`` hooks: runs them, and one all_gather makes a hook that failed on
    any rank put every rank's buffers back and raise on every rank (AFTER).
 
-The phases are those of [Note: the transaction] (_transaction.py), with the vote moved after the data: one
+The phases are those of [Note: the transaction] (_core/transaction.py), with the vote moved after the data: one
 collective fewer than a separate receive vote. The buffers stay ordinary tensors with their own memory (views into
 the buckets would save both copies, but Accelerate's ``save_model`` keeps one tensor per shared storage and drops the
 rest from the checkpoint).
 
-Repeated syncs count nothing twice: ``"bn"`` as [Note: repeated merges] (bn_average.py) says; ``"sum"`` adds what
+Repeated syncs count nothing twice: ``"bn"`` as [Note: repeated merges] (bn/average.py) says; ``"sum"`` adds what
 each rank added since the last sync, and the value every rank held then enters once, through the source. At the
 first sync, history counts once only where every rank held the same value at the start (``start="installed"``,
 decided per BatchNorm layer and per ``"sum"`` buffer by comparing digests); where the ranks already differed, every
@@ -209,7 +209,7 @@ class _Steady:
         start = None
         if at_start is not None:
             start = _layer_stats(lay, at_start, device)
-        self.repeated = bn_average.Repeated.start(lay, device, self.source, flags, start)
+        self.repeated = bn_average.Repeated.start(lay, device, self.source, flags, start)  # [Note: repeated merges]
         self.repeated.carry(carry.bns)
 
     def carry(self) -> _Carry:
@@ -328,7 +328,7 @@ class KeepInSync:
             except Exception as e:  # noqa: BLE001 - announced as a change: every rank raises
                 announce, cause = steady.digest ^ 1, e
         try:
-            _sync(steady, deadline, announce, failure)
+            _sync(steady, deadline, announce, failure)  # [Note: steady state], steps 2-6
         except _Changed as e:
             self._steady = None  # every rank raised: the next sync agrees again, naming the difference
             if cause is not None:
@@ -476,6 +476,7 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
     if failure is None:
         try:  # in place into space kept since the agreement: nothing here allocates what the failure path needs
             _transaction.reached(_transaction.Phase.PREPARE, _FN)
+            # this rank's side of [Note: the BatchNorm sums], behind the check's flags
             bn_average._pack(bns, g.device, lay=s.layout, out=combined[width:], repeated=s.repeated)
             for kind in s.kinds:
                 if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come

@@ -329,6 +329,7 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
         for copy in ready:
             copy()
 
+    # [Note: the transaction]: the hooks run in AFTER, where a failure on any rank puts every rank's buffers back
     _transaction.commit(g, ("rules", src, plan.signature, *call), entries, deadline, fn, prepare=prepare,
                         exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked())
     return len(entries)

@@ -267,7 +267,7 @@ _MISSING = object()
 class _RepeatedSaves:
     """The syncs of one save hook, through a hookless :func:`keep_in_sync` per model begun at its first save: that
     first sync counts every rank's whole statistics (the merge :func:`sync_buffers` does), each later one what the
-    ranks added since ([Note: repeated merges] in bn_average.py), so a save with no training in between changes
+    ranks added since ([Note: repeated merges] in bn/average.py), so a save with no training in between changes
     nothing and a batch never counts twice. ``"recompute"`` and ``"check"`` are one-shot by nature and stay so."""
 
     def __init__(self, policy: str | None, options: dict[str, Any]):
@@ -286,7 +286,7 @@ class _RepeatedSaves:
             handle = self.handles[id(inner)] = hookless(
                 inner, self.policy, "zero", rules=o["rules"], src=o["src"], group=o["group"], timeout=o["timeout"],
                 strict=o["strict"], identical_warning=f"sync_buffers_on_save(policy={self.policy or 'average'!r})")
-        handle.sync()
+        handle.sync()  # the lean loop of [Note: steady state] from the second save on
 
 
 def sync_buffers_on_save(target: Any, policy: Policy | None = None, *, rules: rules_mod.Rules | None = None,

@@ -150,7 +150,7 @@ def _frozen_type(cls: type[nn.Module], root: bool, no_grad: bool) -> type:
         return cls._apply(self, fn if _casting[0] else _device_only(fn), recurse)
 
     def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-        return _rebuild, (cls, root, no_grad), self.__getstate__()
+        return _rebuild, (cls, root, no_grad), self.__getstate__()  # [Note: pickled replicas]
 
     def __new__(klass: type, *args: Any, **kwargs: Any) -> Any:
         # type(replica)(config) / type(replica).from_pretrained(...): a fresh ORIGINAL model, not a hybrid with

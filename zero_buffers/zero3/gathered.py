@@ -205,6 +205,8 @@ class _Commit:
                 deadline = _wire.Deadline(self.timeout)
                 zero = [(n, p.data) for (n, _), p in zip(_zero_specs(self.zero), self.zero)]
                 entries = self.entries() if self._buffers_changed(deadline) else []
+                # [Note: the transaction]: the body's failure is this rank's vote; on any failure, every rank rolls
+                # back below
                 _transaction.broadcast(self.g, entries + zero, self.src, (_FN, "exit"), deadline, _FN,
                                        failure=failure, unchanged=_UNCHANGED,
                                        step="the body raised, or the commit could not start,")
