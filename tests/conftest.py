@@ -9,17 +9,9 @@ from tests.multirank import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The tests of what DeepSpeed, transformers and Accelerate do, run on both dependency stacks by .ci/run
-# (pytest -m stack on the oldest supported versions): these files, and tests elsewhere marked @pytest.mark.stack.
-STACK_FILES = {"test_zero3_sync.py", "test_zero3_edges.py", "test_zero3_carveout.py", "test_gathered_dropin.py",
-               "test_frozen_replica.py", "test_checkpoint.py", "test_no_holes.py", "test_real_models.py",
-               "test_versions.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in STACK_FILES:
-            item.add_marker(pytest.mark.stack)
+# The tests of what DeepSpeed, transformers and Accelerate do run on both dependency stacks (.ci/run: pytest -m stack
+# on the oldest supported versions): each is marked where it is written, ``pytestmark = pytest.mark.stack`` for a
+# whole file, ``@pytest.mark.stack`` for one test.
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,17 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
 
 
+def bn_mixture(locals_, name):
+    """The float64 reference for one BatchNorm layer: (total count, mean, var) of the ranks' statistics in
+    ``locals_`` (one dict per rank: layer name -> (count, mean, var), float64)."""
+    n = torch.tensor([loc[name][0] for loc in locals_], dtype=torch.float64)
+    means = torch.stack([loc[name][1] for loc in locals_])
+    vars_ = torch.stack([loc[name][2] for loc in locals_])
+    w = (n / n.sum())[:, None]
+    mean = (w * means).sum(0)
+    return n, mean, (w * vars_).sum(0) + (w * (means - mean) ** 2).sum(0)
+
+
 def init_deepspeed():
     """Import DeepSpeed inside a rank worker and attach it to the worker's gloo group (no shm-comm JIT build)."""
     import deepspeed

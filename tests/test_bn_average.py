@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import log_collectives, restore_collectives
+from tests.helpers import bn_mixture, log_collectives, restore_collectives
 
 
 def _bn_zoo(dtype=torch.float32):
@@ -33,16 +33,6 @@ def _set_stats(rank, dtype):
             m.num_batches_tracked.fill_(rank + 1 + (name == "b2") * 10)
             local[name] = (int(m.num_batches_tracked), m.running_mean.double().clone(), m.running_var.double().clone())
     return model, local
-
-
-def _mixture(locals_, name):
-    """The float64 reference for one layer: (total count, mean, var) of the ranks' statistics in ``locals_``."""
-    n = torch.tensor([loc[name][0] for loc in locals_], dtype=torch.float64)
-    means = torch.stack([loc[name][1] for loc in locals_])
-    vars_ = torch.stack([loc[name][2] for loc in locals_])
-    w = (n / n.sum())[:, None]
-    mean = (w * means).sum(0)
-    return n, mean, (w * vars_).sum(0) + (w * (means - mean) ** 2).sum(0)
 
 
 def _shifted_shards(rank, world, n_samples):
@@ -107,8 +97,8 @@ def test_average_on_a_process_group_subset_merges_members_only(ranks4):
     out = ranks4.run(_average_in, members)
     member_locals = [out[r][0] for r in members]
     for name in member_locals[0]:
-        n, mean, var = _mixture(member_locals, name)
-        _, world_mean, _ = _mixture([o[0] for o in out], name)
+        n, mean, var = bn_mixture(member_locals, name)
+        _, world_mean, _ = bn_mixture([o[0] for o in out], name)
         assert not torch.allclose(mean, world_mean)  # the group's mixture is not the world's
         for r in members:
             count, got_mean, got_var = out[r][1][name]

@@ -16,6 +16,9 @@ import zero_buffers as zb
 from tests.ckpt_kinds import Tag  # identity with a non-BatchNorm buffer (a step counter, a codebook ...)
 from zero_buffers._core import modules as _modules
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
 

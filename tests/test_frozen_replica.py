@@ -31,6 +31,9 @@ from tests.helpers import (
     restore_collectives,
 )
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 # ------------------------------------------------------------------------------------------------ tiny models
 
 

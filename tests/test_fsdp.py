@@ -2,7 +2,7 @@
 
 Every body trains a tiny transformers ResNet under ``fully_shard`` (each stage, then the root) for two steps on
 rank-shifted data, so every BatchNorm buffer differs across ranks while every parameter is a DTensor shard. The
-references come from the ranks' own statistics (the exact mixture, ``tests.test_bn_average._mixture``) or from the
+references come from the ranks' own statistics (the exact mixture, ``tests.helpers.bn_mixture``) or from the
 data itself (the first BatchNorm's population statistics), never from zero_buffers.
 """
 from __future__ import annotations
@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal, messages
-from tests.test_bn_average import _mixture
+from tests.helpers import bitwise_equal, bn_mixture, messages
 
 TIMEOUT = 240
 FIRST_BN = "resnet.embedder.embedder.normalization"
@@ -188,7 +187,7 @@ def test_every_tool_accepts_a_fully_shard_resnet_and_never_touches_its_shards(ra
     # average: the exact mixture of the ranks' own statistics, on every rank
     locals_ = [o["before_average"] for o in out]
     for name in out[0]["averaged"]:
-        n, mean, var = _mixture(locals_, name)
+        n, mean, var = bn_mixture(locals_, name)
         for o in out:
             count, got_mean, got_var = o["averaged"][name]
             assert count == int(n.sum())
@@ -244,7 +243,7 @@ def test_a_dcp_checkpoint_written_after_sync_buffers_holds_the_merged_statistics
         as_is, synced = _load_dcp(f"{folder}/as_is", _resnet(7)), _load_dcp(f"{folder}/synced", _resnet(7))
     locals_ = [o[0] for o in out]
     for name, (count, mean, var) in synced.items():
-        n, ref_mean, ref_var = _mixture(locals_, name)
+        n, ref_mean, ref_var = bn_mixture(locals_, name)
         assert count == int(n.sum())
         torch.testing.assert_close(mean, ref_mean.float().double(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(var, ref_var.float().double(), rtol=1e-5, atol=1e-6)
@@ -253,7 +252,7 @@ def test_a_dcp_checkpoint_written_after_sync_buffers_holds_the_merged_statistics
     for name, (_, mean, var) in as_is.items():
         assert any(torch.equal(mean, loc[name][1]) for loc in locals_)
         assert any(torch.equal(var, loc[name][2]) for loc in locals_)
-        assert not torch.allclose(mean, _mixture(locals_, name)[1].float().double(), atol=1e-4)
+        assert not torch.allclose(mean, bn_mixture(locals_, name)[1].float().double(), atol=1e-4)
 
 
 # ============================================================================================ meta device, to_empty
@@ -525,7 +524,7 @@ def _fsdp1_and_bad_input(rank, world):
 def test_fsdp1_buffers_sync_recompute_runs_on_full_parameters_and_bad_trees_are_refused_by_name(ranks):
     out = ranks.run(_fsdp1_and_bad_input, timeout=TIMEOUT)
     assert out[0]["names"] == ["1.running_mean", "1.running_var"]  # FSDP1's _fsdp_wrapped_module. left out
-    _n, mean, var = _mixture([o["before"] for o in out], "1")
+    _n, mean, var = bn_mixture([o["before"] for o in out], "1")
     pop_mean, pop_var = out[0]["population"]
     for o in out:
         torch.testing.assert_close(o["averaged"][0], mean, rtol=1e-5, atol=1e-6)
@@ -620,7 +619,7 @@ def test_sync_buffers_on_save_on_accelerates_fsdp_path_as_far_as_it_runs_on_cpu(
         locals_ = [o[before] for o in out]
         saved = out[0]["saved"] if key == "saved" else {k.removeprefix("module."): v for k, v in ddp_saved.items()}
         for name in out[0][before]:
-            n, mean, var = _mixture(locals_, name)
+            n, mean, var = bn_mixture(locals_, name)
             assert int(saved[f"{name}.num_batches_tracked"]) == int(n.sum())
             torch.testing.assert_close(saved[f"{name}.running_mean"].double(), mean, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(saved[f"{name}.running_var"].double(), var, rtol=1e-5, atol=1e-6)

@@ -44,6 +44,9 @@ from tests.helpers import (
 )
 from tests.multirank import RankFailure
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 KINDS = ("deepspeed", "ours", "installed")
 DEPTH = "_ds_z3_gathered_param_context_depth"
 OVERLAP = "Nested GatheredParameters contexts cannot overlap parameters"

@@ -10,7 +10,7 @@ import tempfile
 import torch
 from torch import nn
 
-from tests.test_bn_average import _mixture
+from tests.helpers import bn_mixture
 
 SAVE_STEPS, MAX_STEPS = 2, 4
 
@@ -89,7 +89,7 @@ def _merged(out: list, step: int, name: str) -> tuple[int, torch.Tensor, torch.T
     for earlier in sorted(s for s in out[0]["before"] if s < step):
         base += sum(o["before"][earlier][name][0] - base for o in out)
     locals_ = [{name: (o["before"][step][name][0] - base, *o["before"][step][name][1:])} for o in out]
-    n, mean, var = _mixture(locals_, name)
+    n, mean, var = bn_mixture(locals_, name)
     return base + int(n.sum()), mean, var
 
 
@@ -135,7 +135,7 @@ def test_transformers_trainer_ddp_checkpoints_carry_the_merged_statistics(ranks)
     # without the callback the checkpoint holds rank 0's statistics
     for name, (_, mean, _) in as_is.items():
         assert torch.equal(mean, bug[0]["before"][MAX_STEPS][name][1].float().double())
-        assert not torch.allclose(mean, _mixture([o["before"][MAX_STEPS] for o in bug], name)[1], atol=1e-4)
+        assert not torch.allclose(mean, bn_mixture([o["before"][MAX_STEPS] for o in bug], name)[1], atol=1e-4)
 
 
 class _Tagged(nn.Module):
@@ -197,7 +197,7 @@ def test_accelerate_save_state_with_rules_carries_each_buffer_by_its_rule(ranks)
     torch.testing.assert_close(saved["ema"], torch.arange(3.0) + 10 * (world - 1) / 2)  # the mean of the ranks'
     assert torch.equal(saved["cache"], torch.zeros(2))  # "local": rank 0's own, untouched by the sync
     assert all(torch.equal(o[1], torch.full((2,), float(r))) for r, o in enumerate(out))
-    n, mean, var = _mixture([o[0] for o in out], "bn")
+    n, mean, var = bn_mixture([o[0] for o in out], "bn")
     torch.testing.assert_close(saved["net.1.running_mean"].double(), mean.float().double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(saved["net.1.running_var"].double(), var.float().double(), rtol=1e-5, atol=1e-6)
     assert int(saved["net.1.num_batches_tracked"]) == int(n.sum())
@@ -295,12 +295,12 @@ def test_repeated_save_state_with_the_hook_counts_each_batch_once(ranks):
         saved = [load_file(os.path.join(folder, d, "model.safetensors")) for d in ("save0", "save1", "again")]
     world = len(out)
     first = [o[0] for o in out]
-    n, mean, _ = _mixture(first, "bn")
+    n, mean, _ = bn_mixture(first, "bn")
     assert int(saved[0]["net.1.num_batches_tracked"]) == int(n.sum()) == world  # one batch per rank
     torch.testing.assert_close(saved[0]["net.1.running_mean"].double(), mean.float().double(), rtol=1e-5, atol=1e-6)
     # the second save: one more batch per rank, weighted as such; the count is a count of batches, not world**2
     deltas = [{"bn": (o[1]["bn"][0] - world, *o[1]["bn"][1:])} for o in out]
-    _, mean2, var2 = _mixture(deltas, "bn")
+    _, mean2, var2 = bn_mixture(deltas, "bn")
     assert int(saved[1]["net.1.num_batches_tracked"]) == 2 * world
     torch.testing.assert_close(saved[1]["net.1.running_mean"].double(), mean2.float().double(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(saved[1]["net.1.running_var"].double(), var2.float().double(), rtol=1e-5, atol=1e-6)

@@ -19,6 +19,9 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import ZERO3_CONFIG, buffers, init_deepspeed, log_collectives, restore_collectives, same_state
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 
 # ---- 1. every rank reaches the same first collective whatever its module holds ------------------------------------
 def _rank_without_batchnorm(rank, world):

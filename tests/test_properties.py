@@ -11,197 +11,33 @@ no deadline, a fixed ``max_examples`` per property, and no shrinking unless ``ZB
 from __future__ import annotations
 
 import math
-import os
 
 import torch
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import given
 from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import bitwise_equal
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64, "int64": torch.int64, "bool": torch.bool}
-FLOATS = ("float16", "bfloat16", "float32", "float64")
-SPECIALS = (None, "nan", "nan_payload", "inf", "-inf", "-0.0")
-INT_RANGE = 2 ** 50  # report property: integer differences stay exact in float64 (see README Guarantees)
-
-
-def _settings(n: int):
-    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("ZB_HYPOTHESIS_SHRINK") else [])
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None, phases=phases,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Specs: random module trees with buffers (tensor / None / alias), parameters and an ignore list
-# ---------------------------------------------------------------------------------------------------------
-@st.composite
-def tree_specs(draw, world: int):
-    """A random module tree: modules, buffers (every dtype, 0-dim, empty, non-contiguous, specials), aliases."""
-    n_mod = draw(st.integers(1, 5))
-    modules = [{"parent": -1}] + [{"parent": draw(st.integers(0, i - 1))} for i in range(1, n_mod)]
-    parents = {m["parent"] for m in modules}
-    leaves = [i for i in range(1, n_mod) if i not in parents]
-    share = None
-    if leaves and draw(st.booleans()):  # one leaf module registered under a second parent too
-        share = (draw(st.sampled_from(leaves)), draw(st.integers(0, n_mod - 1)))
-    buffers: list[dict] = []
-    for k in range(draw(st.integers(1, 9))):
-        b = {"module": draw(st.integers(0, n_mod - 1)), "name": f"b{k}", "persistent": draw(st.booleans())}
-        tensors = [j for j, x in enumerate(buffers) if x["kind"] == "tensor"]
-        kind = draw(st.sampled_from(["tensor"] * 6 + ["none"] + (["alias"] * 2 if tensors else [])))
-        b["kind"] = kind
-        if kind == "alias":
-            b["of"] = draw(st.sampled_from(tensors))
-        elif kind == "tensor":
-            dtype = draw(st.sampled_from(list(DTYPES)))
-            shape = tuple(draw(st.lists(st.integers(0, 3), max_size=3)))
-            numel = math.prod(shape)
-            b.update(dtype=dtype, shape=shape,
-                     noncontig=len(shape) == 2 and draw(st.booleans()),
-                     special=draw(st.sampled_from(SPECIALS)) if dtype in FLOATS and numel >= 2 else None,
-                     differ=tuple(draw(st.sets(st.integers(0, world - 1), max_size=world))) if numel else (),
-                     diff_kind=draw(st.sampled_from(["value", "signed_zero"])) if dtype in FLOATS else "value")
-        buffers.append(b)
-    params = [{"module": draw(st.integers(0, n_mod - 1)), "name": f"p{k}",
-               "dtype": draw(st.sampled_from(FLOATS)), "shape": tuple(draw(st.lists(st.integers(0, 3), max_size=2)))}
-              for k in range(draw(st.integers(0, 2)))]
-    spec = {"seed": draw(st.integers(0, 2 ** 20)), "modules": modules, "share": share, "buffers": buffers,
-            "params": params, "src": draw(st.integers(0, world - 1)),
-            "include_parameters": draw(st.booleans()), "atol": draw(st.sampled_from([0.0, 0.0, 0.5, 100.0]))}
-    names = [n for n, _ in _expected_entries({**spec, "ignore": ()})[1]]
-    spec["ignore"] = tuple(draw(st.lists(st.sampled_from(names + _paths(spec)[1:]), max_size=2, unique=True))
-                           if names else [])
-    return spec
-
-
-def _paths(spec: dict) -> list[str]:
-    """Module paths in named_modules() order (index = position), as torch visits them."""
-    return [p for p, _ in _preorder(spec)]
-
-
-def _preorder(spec: dict) -> list[tuple[str, int]]:
-    """(path, module index) in the order nn.Module.named_modules() yields them (shared modules once)."""
-    children: dict[int, list[tuple[str, int]]] = {i: [] for i in range(len(spec["modules"]))}
-    for i, m in enumerate(spec["modules"][1:], 1):
-        children[m["parent"]].append((f"m{i}", i))
-    if spec["share"]:
-        leaf, parent = spec["share"]
-        children[parent].append((f"s{leaf}", leaf))
-    out, seen = [], set()
-
-    def visit(i: int, path: str) -> None:
-        if i in seen:
-            return
-        seen.add(i)
-        out.append((path, i))
-        for attr, c in children[i]:
-            visit(c, f"{path}.{attr}" if path else attr)
-
-    visit(0, "")
-    return out
-
-
-def _root(spec: dict, k: int) -> int:
-    """Index of the buffer that owns the tensor registered at ``k`` (aliases point at it)."""
-    b = spec["buffers"][k]
-    return b["of"] if b["kind"] == "alias" else k
-
-
-def _ignored(name: str, ignore) -> bool:
-    return any(name == i or name.startswith(i + ".") for i in ignore)
-
-
-def _expected_entries(spec: dict) -> tuple[dict[int, str], list[tuple[str, int]]]:
-    """Every registration's qualified name, and the (name, tensor) entries the library must synchronise.
-
-    A tensor appears once, under its first name in named_modules() order that is not ignored.
-    """
-    path_of = {i: p for p, i in _preorder(spec)}
-    qual = {k: (f"{path_of[b['module']]}.{b['name']}" if path_of[b["module"]] else b["name"])
-            for k, b in enumerate(spec["buffers"])}
-    entries, seen = [], set()
-    for _, i in _preorder(spec):
-        for k, b in enumerate(spec["buffers"]):
-            if b["module"] != i or b["kind"] == "none" or _root(spec, k) in seen or _ignored(qual[k], spec["ignore"]):
-                continue
-            seen.add(_root(spec, k))
-            entries.append((qual[k], k))
-    return qual, entries
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Building the spec on a rank
-# ---------------------------------------------------------------------------------------------------------
-def _gen(*key: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0x7FFFFFFF)
-
-
-def _special(v: torch.Tensor, special: str | None, salt: int) -> None:
-    """Put a special float (NaN with a ``salt``-dependent payload, inf, -0.0) into the last element of ``v``."""
-    if special is None:
-        return
-    flat = v.view(-1)
-    if special == "nan_payload":
-        bits = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
-                torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
-        idt, exp = bits[v.dtype]
-        flat[-1:].view(idt).fill_(exp | (1 + salt % 60))
-    else:
-        flat[-1] = float(special)
-
-
-def _value(b: dict, gen: torch.Generator, int_range: int) -> torch.Tensor:
-    """A random contiguous tensor of the buffer's dtype and shape."""
-    dtype, shape = DTYPES[b["dtype"]], b["shape"]
-    if dtype == torch.bool:
-        return torch.rand(shape, generator=gen) > 0.5
-    if dtype == torch.int64:
-        return torch.randint(-int_range, int_range, shape, generator=gen)
-    return (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype)
-
-
-def _store(b: dict, v: torch.Tensor) -> torch.Tensor:
-    """The buffer tensor: ``v`` itself, or a non-contiguous (transposed) tensor holding ``v``."""
-    if not b["noncontig"]:
-        return v
-    t = torch.empty(b["shape"][::-1], dtype=v.dtype).t()
-    t.copy_(v)
-    return t
-
-
-def _build(spec: dict, values, rank: int) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """The module tree of ``spec``; ``values(k, b)`` gives buffer k's tensor; parameters differ per rank."""
-    mods = {i: nn.Module() for i in range(len(spec["modules"]))}
-    for i, m in enumerate(spec["modules"][1:], 1):
-        mods[m["parent"]].add_module(f"m{i}", mods[i])
-    if spec["share"]:
-        leaf, parent = spec["share"]
-        mods[parent].add_module(f"s{leaf}", mods[leaf])
-    tensors: dict[int, torch.Tensor] = {}
-    for k, b in enumerate(spec["buffers"]):
-        if b["kind"] == "none":
-            t = None
-        elif b["kind"] == "alias":
-            t = tensors[b["of"]]
-        else:
-            t = tensors[k] = values(k, b)
-        mods[b["module"]].register_buffer(b["name"], t, persistent=b["persistent"])
-    for k, p in enumerate(spec["params"]):
-        g = _gen(spec["seed"], 1000 + k, rank)
-        mods[p["module"]].register_parameter(p["name"], nn.Parameter(torch.randn(p["shape"], generator=g).to(
-            DTYPES[p["dtype"]])))
-    return mods[0], mods
-
-
-def _registered(spec: dict, mods: dict[int, nn.Module]) -> dict[int, torch.Tensor | None]:
-    return {k: mods[b["module"]]._buffers[b["name"]] for k, b in enumerate(spec["buffers"])}
-
-
-def _clone(ts: dict) -> dict:
-    return {k: (None if t is None else t.detach().clone()) for k, t in ts.items()}
+from tests.strategies import (
+    BN_DTYPES,
+    BN_KINDS,
+    DTYPES,
+    INT_RANGE,
+    SPECIALS,
+    bn_specs,
+    bounded,
+    build_tree,
+    clone_all,
+    expected_entries,
+    gen,
+    ignored,
+    put_special,
+    random_value,
+    registered,
+    root_of,
+    store,
+    tree_specs,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,28 +45,28 @@ def _clone(ts: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------
 def _broadcast_body(rank, world, spec):
     def values(k, b):
-        v = _value(b, _gen(spec["seed"], k, rank), 2 ** 62)
+        v = random_value(b, gen(spec["seed"], k, rank), 2 ** 62)
         if v.numel() and b["dtype"] != "bool":
             v.view(-1)[0] = rank + 0.5 if v.is_floating_point() else rank  # ranks start apart, always
-        _special(v, b["special"], spec["seed"] + rank)  # NaN payloads differ per rank too
-        return _store(b, v)
+        put_special(v, b["special"], spec["seed"] + rank)  # NaN payloads differ per rank too
+        return store(b, v)
 
-    model, mods = _build(spec, values, rank)
-    before = _clone(_registered(spec, mods))
+    model, mods = build_tree(spec, values, rank)
+    before = clone_all(registered(spec, mods))
     params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
     n = zb.broadcast_buffers(model, src=spec["src"], include_parameters=spec["include_parameters"],
                              ignore=spec["ignore"])
-    after = _registered(spec, mods)
+    after = registered(spec, mods)
     aliases_kept = all(after[k] is after[b["of"]] for k, b in enumerate(spec["buffers"]) if b["kind"] == "alias")
-    return before, _clone(after), params_before, {n: p.detach().clone() for n, p in model.named_parameters()}, \
+    return before, clone_all(after), params_before, {n: p.detach().clone() for n, p in model.named_parameters()}, \
         n, aliases_kept
 
 
 def _check_broadcast(spec, out):
     src = spec["src"]
-    qual, entries = _expected_entries(spec)
-    synced = {_root(spec, k) for _, k in entries}
-    param_names = [n for n in out[0][2] if not _ignored(n, spec["ignore"])]
+    qual, entries = expected_entries(spec)
+    synced = {root_of(spec, k) for _, k in entries}
+    param_names = [n for n in out[0][2] if not ignored(n, spec["ignore"])]
     for rank, (before, after, p_before, p_after, n, aliases_kept) in enumerate(out):
         assert n == len(entries) + (len(param_names) if spec["include_parameters"] else 0), (rank, n)
         assert aliases_kept, rank
@@ -238,7 +74,7 @@ def _check_broadcast(spec, out):
             if b["kind"] == "none":
                 assert after[k] is None
                 continue
-            root = _root(spec, k)
+            root = root_of(spec, k)
             expect = out[src][0][root] if root in synced else before[root]
             assert bitwise_equal(after[k], expect), (rank, qual[k], b)
             if root in synced and rank != src and b.get("dtype", "bool") != "bool" and after[k].numel():
@@ -248,13 +84,13 @@ def _check_broadcast(spec, out):
             assert bitwise_equal(p, out[src][2][name] if take else p_before[name]), (rank, name)
 
 
-@_settings(25)
+@bounded(25)
 @given(spec=tree_specs(2))
 def test_broadcast_makes_every_rank_equal_the_source_bit_for_bit(ranks2, spec):
     _check_broadcast(spec, ranks2.run(_broadcast_body, spec, timeout=60))
 
 
-@_settings(6)
+@bounded(6)
 @given(spec=tree_specs(4))
 def test_broadcast_makes_every_rank_equal_the_source_bit_for_bit_world4(ranks4, spec):
     _check_broadcast(spec, ranks4.run(_broadcast_body, spec, timeout=60))
@@ -265,8 +101,8 @@ def test_broadcast_makes_every_rank_equal_the_source_bit_for_bit_world4(ranks4, 
 # ---------------------------------------------------------------------------------------------------------
 def _report_body(rank, world, spec):
     def values(k, b):
-        v = _value(b, _gen(spec["seed"], k), INT_RANGE)  # the same on every rank ...
-        _special(v, b["special"], spec["seed"])
+        v = random_value(b, gen(spec["seed"], k), INT_RANGE)  # the same on every rank ...
+        put_special(v, b["special"], spec["seed"])
         flat = v.view(-1)
         if b["diff_kind"] == "signed_zero" and flat.numel():
             flat[0] = 0.0
@@ -277,17 +113,17 @@ def _report_body(rank, world, spec):
                 flat[0] = -0.0
             else:
                 flat[0] = flat[0] + (rank + 1)
-        return _store(b, v)
+        return store(b, v)
 
-    model, mods = _build(spec, values, rank)
-    before = _clone(_registered(spec, mods))
+    model, mods = build_tree(spec, values, rank)
+    before = clone_all(registered(spec, mods))
     report = zb.buffer_report(model, atol=spec["atol"], ignore=spec["ignore"])
     try:
         zb.assert_buffers_in_sync(model, atol=spec["atol"], ignore=spec["ignore"])
         raised = None
     except zb.BuffersOutOfSyncError as e:
         raised = (str(e), e.report)
-    return report, raised, before, same_after(before, _registered(spec, mods))
+    return report, raised, before, same_after(before, registered(spec, mods))
 
 
 def same_after(before, after) -> bool:
@@ -318,13 +154,13 @@ def _check_report(spec, out):
     reports = [r for r, _, _, _ in out]
     assert all(r == reports[0] for r in reports)  # identical on every rank
     report = reports[0]
-    _, entries = _expected_entries(spec)
+    _, entries = expected_entries(spec)
     assert [row.name for row in report.rows] == [name for name, _ in entries]
     for row, (name, k) in zip(report.rows, entries):
-        b = spec["buffers"][_root(spec, k)]
+        b = spec["buffers"][root_of(spec, k)]
         reg = spec["buffers"][k]
         assert (row.dtype, row.shape, row.persistent) == (b["dtype"], b["shape"], reg["persistent"]), name
-        values = [o[2][_root(spec, k)] for o in out]
+        values = [o[2][root_of(spec, k)] for o in out]
         bitwise_bad = tuple(r for r in range(world) if _symbol(b, r) != _symbol(b, 0))
         assert bitwise_bad == tuple(r for r in range(world) if not bitwise_equal(values[r], values[0])), name
         diffs = [_elementwise_max_diff(v, values[0]) for v in values]
@@ -344,13 +180,13 @@ def _check_report(spec, out):
             assert raised is None
 
 
-@_settings(25)
+@bounded(25)
 @given(spec=tree_specs(2))
 def test_report_flags_exactly_the_buffers_that_differ(ranks2, spec):
     _check_report(spec, ranks2.run(_report_body, spec, timeout=60))
 
 
-@_settings(6)
+@bounded(6)
 @given(spec=tree_specs(4))
 def test_report_flags_exactly_the_buffers_that_differ_world4(ranks4, spec):
     _check_report(spec, ranks4.run(_report_body, spec, timeout=60))
@@ -359,29 +195,10 @@ def test_report_flags_exactly_the_buffers_that_differ_world4(ranks4, spec):
 # ---------------------------------------------------------------------------------------------------------
 # Property 3: average_bn_stats equals a float64 reference computed from all ranks' statistics
 # ---------------------------------------------------------------------------------------------------------
-BN_KINDS = {"1d": nn.BatchNorm1d, "2d": nn.BatchNorm2d, "3d": nn.BatchNorm3d, "sync": nn.SyncBatchNorm}
-BN_DTYPES = ("float32", "float64", "bfloat16", "float16")
-
-
-@st.composite
-def bn_specs(draw, world: int):
-    """Random BatchNorm layers (kinds, widths, dtypes, untracked, no counter) and per-rank counts (0 included)."""
-    layers = []
-    for _ in range(draw(st.integers(1, 5))):
-        layers.append({
-            "kind": draw(st.sampled_from(list(BN_KINDS))), "features": draw(st.integers(1, 5)),
-            "dtype": draw(st.sampled_from(BN_DTYPES)), "track": draw(st.sampled_from([True, True, True, False])),
-            "counter": draw(st.sampled_from([True, True, True, False])), "nested": draw(st.booleans()),
-            "counts": tuple(draw(st.lists(st.sampled_from([0, 0, 1, 2, 3, 7, 50, 1000]), min_size=world,
-                                          max_size=world))),
-        })
-    return {"seed": draw(st.integers(0, 2 ** 20)), "layers": layers}
-
-
 def _bn_body(rank, world, spec):
     model = nn.Module()
     model.block = nn.Sequential()
-    model.register_buffer("codebook", torch.randn(3, generator=_gen(spec["seed"], rank)))
+    model.register_buffer("codebook", torch.randn(3, generator=gen(spec["seed"], rank)))
     layers = []
     for i, s in enumerate(spec["layers"]):
         m = BN_KINDS[s["kind"]](s["features"], track_running_stats=s["track"]).to(DTYPES[s["dtype"]])
@@ -389,7 +206,7 @@ def _bn_body(rank, world, spec):
         layers.append(m)
         if not s["track"]:
             continue
-        g = _gen(spec["seed"], i, rank)
+        g = gen(spec["seed"], i, rank)
         with torch.no_grad():
             m.running_mean.copy_(torch.randn(s["features"], generator=g, dtype=torch.float64) * 3 + rank)
             m.running_var.copy_(torch.rand(s["features"], generator=g, dtype=torch.float64) * 4 + 0.1)
@@ -446,13 +263,13 @@ def _check_bn(spec, out):
     assert all(o[3] for o in out)  # other buffers untouched
 
 
-@_settings(25)
+@bounded(25)
 @given(spec=bn_specs(2))
 def test_average_bn_stats_equals_the_float64_mixture_reference(ranks2, spec):
     _check_bn(spec, ranks2.run(_bn_body, spec, timeout=60))
 
 
-@_settings(6)
+@bounded(6)
 @given(spec=bn_specs(4))
 def test_average_bn_stats_equals_the_float64_mixture_reference_world4(ranks4, spec):
     _check_bn(spec, ranks4.run(_bn_body, spec, timeout=60))
@@ -462,7 +279,7 @@ def test_the_strategies_can_produce_every_case():
     """The strategies can produce every case the properties claim to cover (guards against a silent narrowing)."""
     seen: set = set()
 
-    @_settings(150)
+    @bounded(150)
     @given(spec=tree_specs(2))
     def collect(spec):
         for b in spec["buffers"]:
@@ -484,7 +301,7 @@ def test_the_strategies_can_produce_every_case():
 
     bn_seen: set = set()
 
-    @_settings(150)
+    @bounded(150)
     @given(spec=bn_specs(2))
     def collect_bn(spec):
         for s in spec["layers"]:

@@ -39,6 +39,9 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import ZERO3_CONFIG, check_table, init_deepspeed, run_table as _run_table
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 # Entry names (tests.corpus imports transformers: keep it out of the parent process, which only checks results).
 ENTRIES = ("hf_resnet34", "hf_mobilenet_v2", "hf_regnet", "hf_llama", "diffusers_vqmodel", "diffusers_flux2_vae",
            "swa_ema_resnet", "vq_ema", "remote_tiny_vq")

@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal, messages
-from tests.test_bn_average import _mixture
+from tests.helpers import bitwise_equal, bn_mixture, messages
 from zero_buffers.training import rules as rules_mod
 
 BIG = 2 ** 60  # int64 values past 2**53: a float64 bucket would round them
@@ -83,7 +82,7 @@ def test_every_rule_kind_matches_its_float64_or_exact_integer_reference(ranks):
             "projection": mine[-1]["projection"]}
     locals_ = [{"bn": (int(v["bn.num_batches_tracked"]), v["bn.running_mean"].double(), v["bn.running_var"].double())}
                for v in mine]
-    n, mean, var = _mixture(locals_, "bn")
+    n, mean, var = bn_mixture(locals_, "bn")
     for r, (count, got) in enumerate(out):
         assert count == len(got) - 1  # every buffer but the "local" one
         for name, value in want.items():

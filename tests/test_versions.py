@@ -9,12 +9,16 @@ import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 import torch
 from packaging.version import Version
 from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import ZERO3_CONFIG, init_deepspeed
+
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
 
 ROOT = Path(__file__).resolve().parent.parent
 

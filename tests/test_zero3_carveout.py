@@ -17,6 +17,9 @@ from tests.helpers import (
     same_state,
 )
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 
 class Tokenizer(nn.Module):
     """Conv3d + BatchNorm3d: incident 1's frozen video tokenizer, in miniature."""

@@ -18,6 +18,9 @@ from tests.helpers import (
     same_state,
 )
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 
 class Block(nn.Module):
     def __init__(self):

@@ -9,6 +9,9 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import DS_NESTING_CHECK, HF5, ZERO3_CONFIG, buffers, init_deepspeed, same_state
 
+# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
+pytestmark = pytest.mark.stack
+
 
 class VQ(nn.Module):
     """BatchNorm + a codebook made with randn (differs per rank under zero.Init) + a non-persistent buffer."""

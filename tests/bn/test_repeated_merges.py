@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.test_bn_average import _mixture
+from tests.helpers import bn_mixture
 
 SYNCS = 8
 
@@ -27,7 +27,7 @@ def _reference(world: int, steps: int) -> tuple[int, torch.Tensor, torch.Tensor]
         xs = [_rows(r, s).float().double() for s in range(steps)]
         per_rank.append({"bn": (len(xs), sum(x.mean(0) for x in xs) / len(xs),
                                 sum(x.var(0, unbiased=True) for x in xs) / len(xs))})
-    n, mean, var = _mixture(per_rank, "bn")
+    n, mean, var = bn_mixture(per_rank, "bn")
     return int(n.sum()), mean, var
 
 
@@ -68,7 +68,7 @@ def _diverged_first_sync(rank, world):
 @pytest.mark.parametrize("world", [3, 4])
 def test_the_first_sync_of_ranks_that_already_diverged_is_average_bn_stats(pools, world):
     out = pools(world).run(_diverged_first_sync, timeout=120)
-    n, mean, var = _mixture([{"bn": o["now"]} for o in out], "bn")  # every rank's whole statistics
+    n, mean, var = bn_mixture([{"bn": o["now"]} for o in out], "bn")  # every rank's whole statistics
     for o in out:
         assert o["after"][0] == int(n.sum()) == sum(r + 2 for r in range(world))
         torch.testing.assert_close(o["after"][1], mean.float().double(), rtol=1e-5, atol=1e-6)
@@ -97,7 +97,7 @@ def _engine_first_sync(rank, world):
 @pytest.mark.stack
 def test_the_first_sync_of_a_zero3_engine_whose_ranks_diverged_is_average_bn_stats(ranks):
     out = ranks.run(_engine_first_sync, timeout=240)
-    n, mean, var = _mixture([{"bn": o["now"]} for o in out], "bn")
+    n, mean, var = bn_mixture([{"bn": o["now"]} for o in out], "bn")
     for o in out:
         assert o["after"][0] == int(n.sum())
         torch.testing.assert_close(o["after"][1], mean.float().double(), rtol=1e-5, atol=1e-6)

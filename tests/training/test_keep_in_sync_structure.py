@@ -51,8 +51,8 @@ def _replaced_everywhere(rank, world):
 
 def test_a_submodule_replaced_on_every_rank_is_taken_up_and_its_statistics_merged(ranks):
     out = ranks.run(_replaced_everywhere, timeout=120)
-    from tests.test_bn_average import _mixture
-    n, mean, var = _mixture([{"bn": o["before"]} for o in out], "bn")
+    from tests.helpers import bn_mixture
+    n, mean, var = bn_mixture([{"bn": o["before"]} for o in out], "bn")
     for o in out:
         count, got_mean, got_var = o["after"]
         assert bitwise_equal(got_mean, out[0]["after"][1]) and bitwise_equal(got_var, out[0]["after"][2])
