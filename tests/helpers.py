@@ -320,3 +320,8 @@ def messages(calls: dict, error: type = Exception) -> dict:
         except error as e:
             out[name] = str(e)
     return out
+
+
+def bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))

@@ -59,7 +59,7 @@ class Phase(enum.Enum):
 
 def reached(phase: Phase, what: str) -> None:
     """Every transaction calls this at the start of each fallible phase's work (PREPARE, EXCHANGE, AFTER), inside the
-    code whose failure that phase votes on. It does nothing; tests/core/test_faulty_rank.py replaces it on one rank
+    code whose failure that phase votes on. It does nothing; tests/core/test_rank_faults.py replaces it on one rank
     to raise there, which is how a failure on one rank is injected at every phase of every public function."""
 
 

@@ -1,4 +1,12 @@
-"""buffer_report / assert_buffers_in_sync on 2 and 4 real gloo ranks."""
+"""buffer_report / assert_buffers_in_sync on 2 and 4 real gloo ranks: exactly the differing buffers and ranks, the
+same report on every rank, advice by situation, and what it costs.
+
+An in-sync report costs one all_gather of three int64; a differing one moves each differing buffer once (the
+reference rank's copy, broadcast in slices of at most ``report.SLICE_BYTES`` cut where the shape alone decides, so
+ranks holding it in different layouts issue the same broadcasts), not once per rank; content digests depend on
+values, not layout (the on-device fingerprint sees one bit). The memory itself is measured in
+``benchmarks/bench.py`` (section "memory"), not asserted here. A property test (hypothesis, tests/strategies.py) draws
+random module trees and per-rank differences (signed zeros, NaN payloads, atol) and checks every row."""
 from __future__ import annotations
 
 import math
@@ -6,11 +14,15 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
+from hypothesis import given
 from torch import nn
 
 import zero_buffers as zb
 from tests.helpers import (
     Toy,
+    bitwise_equal,
+    bn_net,
     buffers,
     check_table,
     log_collectives,
@@ -19,6 +31,20 @@ from tests.helpers import (
     run_table,
     same_state,
     scramble,
+)
+from tests.strategies import (
+    INT_RANGE,
+    bounded,
+    build_tree,
+    clone_all,
+    expected_entries,
+    gen,
+    put_special,
+    random_value,
+    registered,
+    root_of,
+    store,
+    tree_specs,
 )
 
 
@@ -163,7 +189,6 @@ def test_assert_raises_on_every_rank_names_the_buffers_and_advises_by_situation(
 
 def _report_subgroup(rank, world, members):
     """'codebook' differs on every rank; 'steps' differs only between the non-members."""
-    import torch.distributed as dist
 
     group = dist.new_group(members)  # every rank calls new_group; only members then take part
     model = scramble(Toy(), 0)
@@ -251,3 +276,225 @@ def test_the_table_lines_up_for_names_longer_than_forty_characters():
         cells = [line[s:].split()[0] for s in starts]
         assert cells[0] == "float32" and cells[1].startswith("[") and cells[2] in ("yes", "NO"), (line, starts)
     assert lines[0].startswith(long + "  ") and lines[0].endswith("1, 3") and lines[1].endswith("-")
+
+
+# ---- costs that need not grow with world size; digests --------------------------------------------------------------
+def _report_cost(rank, world, n):
+    model = nn.Module()
+    model.register_buffer("codebook", torch.full((n,), float(rank)))  # differs on every rank
+    model.register_buffer("same", torch.ones(8))
+    log: list = []
+    real = log_collectives(log)
+    try:
+        report = zb.buffer_report(model)
+    finally:
+        restore_collectives(real)
+    received = 0
+    for entry in log:
+        if len(entry) < 3:
+            continue
+        name, dtype, numel = entry
+        size = torch.empty((), dtype=getattr(torch, dtype.split(".")[1])).element_size()
+        received += numel * size * (world if name == "all_gather" else 1)
+    return received, [(r.name, r.in_sync, r.differing_ranks) for r in report.rows]
+
+
+@pytest.mark.stack
+def test_a_differing_report_moves_the_buffer_once_not_once_per_rank(ranks):
+    n = 1 << 18  # a 1 MiB codebook
+    out = ranks.run(_report_cost, n, timeout=60)
+    world = ranks.world_size
+    for received, rows in out:
+        assert rows == [("codebook", False, tuple(range(1, world))), ("same", True, ())]
+        # the reference broadcast (n floats) plus a few scalars per rank; all-gathering it would be world * n floats
+        assert n * 4 <= received < n * 4 + 4096 * world, received
+
+
+@pytest.mark.stack
+def test_device_fingerprint_is_layout_blind_and_sees_one_bit():
+    from zero_buffers._core.digest import fingerprint
+
+    x = torch.randn(300, 7, dtype=torch.float64)
+    assert fingerprint(x) == fingerprint(x.t().contiguous().t())  # same values, other strides
+    assert fingerprint(x.conj()) == fingerprint(x)
+    flipped = x.clone()
+    flipped.view(torch.int64)[123, 4] ^= 1  # one bit of one element
+    assert fingerprint(flipped) != fingerprint(x)
+    a, b = torch.zeros(3), torch.zeros(4)  # lengths count, even when the extra bytes are zeros
+    assert fingerprint(a) != fingerprint(b)
+    big = torch.arange(1 << 17, dtype=torch.int32)  # more than one 2**16-word chunk
+    swapped = big.clone()
+    swapped[[0, 1 << 16]] = swapped[[1 << 16, 0]]  # the same words, moved between chunks
+    assert fingerprint(swapped) != fingerprint(big)
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("n", [0, 1, 3, 1 << 16])
+def test_device_fingerprint_is_deterministic(n):
+    from zero_buffers._core.digest import fingerprint
+
+    t = torch.arange(n, dtype=torch.uint8)
+    assert fingerprint(t) == fingerprint(t.clone())
+
+
+def test_a_report_of_hundreds_of_buffers_is_short_unless_asked():
+    model = nn.Sequential(*[nn.BatchNorm1d(2) for _ in range(50)])
+    report = zb.buffer_report(model)
+    short, full = report.format(), report.format(full=True)
+    assert len(short.splitlines()) == 3 and "150 buffers in sync not shown" in short and str(report) == short
+    assert len(full.splitlines()) == 2 + 150
+    small = zb.buffer_report(bn_net())
+    assert len(small.format().splitlines()) == 2 + 3  # a small model: every row
+
+
+# ---- property: buffer_report flags exactly the buffers (and ranks) that differ ------------------------------------
+def _report_property_body(rank, world, spec):
+    def values(k, b):
+        v = random_value(b, gen(spec["seed"], k), INT_RANGE)  # the same on every rank ...
+        put_special(v, b["special"], spec["seed"])
+        flat = v.view(-1)
+        if b["diff_kind"] == "signed_zero" and flat.numel():
+            flat[0] = 0.0
+        if rank in b["differ"]:  # ... except element 0 on the ranks the spec names
+            if v.dtype == torch.bool:
+                flat[0] = ~flat[0]
+            elif b["diff_kind"] == "signed_zero":
+                flat[0] = -0.0
+            else:
+                flat[0] = flat[0] + (rank + 1)
+        return store(b, v)
+
+    model, mods = build_tree(spec, values, rank)
+    before = clone_all(registered(spec, mods))
+    report = zb.buffer_report(model, atol=spec["atol"], ignore=spec["ignore"])
+    try:
+        zb.assert_buffers_in_sync(model, atol=spec["atol"], ignore=spec["ignore"])
+        raised = None
+    except zb.BuffersOutOfSyncError as e:
+        raised = (str(e), e.report)
+    return report, raised, before, same_after(before, registered(spec, mods))
+
+
+def same_after(before, after) -> bool:
+    return all((before[k] is None and after[k] is None) or bitwise_equal(before[k], after[k]) for k in before)
+
+
+def _symbol(b: dict, rank: int):
+    """What rank ``rank`` holds in buffer ``b``, symbolically (decided by the spec alone)."""
+    if rank not in b["differ"]:
+        return "base"
+    return "flip" if b["dtype"] == "bool" or b["diff_kind"] == "signed_zero" else ("plus", rank)
+
+
+def _elementwise_max_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| in float64; equal values (NaN with NaN, -0.0 with 0.0, inf with inf) count 0, NaN vs x inf."""
+    x, y = a.double().reshape(-1), ref.double().reshape(-1)
+    out = 0.0
+    for xi, yi in zip(x.tolist(), y.tolist()):
+        if xi == yi or (math.isnan(xi) and math.isnan(yi)):
+            continue
+        d = abs(xi - yi)
+        out = max(out, math.inf if math.isnan(d) else d)
+    return out
+
+
+def _check_report_property(spec, out):
+    world, atol = len(out), spec["atol"]
+    reports = [r for r, _, _, _ in out]
+    assert all(r == reports[0] for r in reports)  # identical on every rank
+    report = reports[0]
+    _, entries = expected_entries(spec)
+    assert [row.name for row in report.rows] == [name for name, _ in entries]
+    for row, (name, k) in zip(report.rows, entries):
+        b = spec["buffers"][root_of(spec, k)]
+        reg = spec["buffers"][k]
+        assert (row.dtype, row.shape, row.persistent) == (b["dtype"], b["shape"], reg["persistent"]), name
+        values = [o[2][root_of(spec, k)] for o in out]
+        bitwise_bad = tuple(r for r in range(world) if _symbol(b, r) != _symbol(b, 0))
+        assert bitwise_bad == tuple(r for r in range(world) if not bitwise_equal(values[r], values[0])), name
+        diffs = [_elementwise_max_diff(v, values[0]) for v in values]
+        if not bitwise_bad:
+            assert row.in_sync and row.differing_ranks == () and row.max_abs_diff == 0.0, row
+            continue
+        bad = bitwise_bad if atol == 0 else tuple(r for r in range(world) if not diffs[r] <= atol)
+        assert row.differing_ranks == bad and row.in_sync == (not bad), (row, diffs)
+        assert row.max_abs_diff == max(diffs), (row, diffs)
+    flagged = [row.name for row in report.rows if not row.in_sync]
+    for _, raised, _, unchanged in out:
+        assert unchanged  # a report never writes
+        if flagged:
+            assert raised is not None and raised[1] == report
+            assert all(f"{name} " in raised[0] for name in flagged), raised[0]
+        else:
+            assert raised is None
+
+
+@bounded(25)
+@given(spec=tree_specs(2))
+def test_report_flags_exactly_the_buffers_that_differ(ranks2, spec):
+    _check_report_property(spec, ranks2.run(_report_property_body, spec, timeout=60))
+
+
+@bounded(6)
+@given(spec=tree_specs(4))
+def test_report_flags_exactly_the_buffers_that_differ_world4(ranks4, spec):
+    _check_report_property(spec, ranks4.run(_report_property_body, spec, timeout=60))
+
+
+MiB = 2 ** 20
+
+
+def _model(rank: int, shape: tuple[int, ...]) -> nn.Module:
+    """A float32 ``big`` buffer of ``shape``, the same on every rank except one element of the last slice (+0.5 *
+    rank), held transposed (strided) on odd ranks; as large a buffer equal everywhere, strided on odd ranks (its
+    digest is taken a piece at a time there); a small buffer that differs (+rank) and one that agrees."""
+    numel = math.prod(shape)
+    values = torch.arange(numel, dtype=torch.float32).reshape(shape) / numel
+    values.view(-1)[numel - 3] += 0.5 * rank
+    big = values.t().contiguous().t() if rank % 2 else values  # same values, other strides
+    m = nn.Module()
+    m.register_buffer("big", big)
+    agree = torch.arange(numel, dtype=torch.float32).reshape(shape)  # equal values, strided on odd ranks
+    m.register_buffer("agree", agree.t().contiguous().t() if rank % 2 else agree)
+    m.register_buffer("small", torch.full((6,), float(rank)))
+    m.register_buffer("same", torch.ones(3, dtype=torch.int64))
+    return m
+
+
+def _sliced_report(rank, world, shape, slice_bytes):
+    from zero_buffers import report as report_mod
+    from zero_buffers._core import digest as _digest
+
+    defaults = getattr(report_mod, "SLICE_BYTES", None), getattr(_digest, "_PIECE_BYTES", None)
+    report_mod.SLICE_BYTES = _digest._PIECE_BYTES = slice_bytes
+    try:
+        return logged_call(lambda: zb.buffer_report(_model(rank, shape)))
+    finally:
+        report_mod.SLICE_BYTES, _digest._PIECE_BYTES = defaults
+
+
+@pytest.mark.parametrize("shape,slice_kib,slices", [((640, 1024), 1024, [1 << 18, 1 << 18, 1 << 17]),
+                                                   ((2, 3 << 17), 512, [1 << 17] * 6)],
+                         ids=["rows", "a-row-larger-than-a-slice"])
+def test_a_large_differing_buffer_is_compared_in_bounded_slices_exactly(ranks, shape, slice_kib, slices):
+    """Slices smaller than the default (4 MiB, a few MiB) keep the test small; the cut is the same at any size."""
+    world = ranks.world_size
+    out = ranks.run(_sliced_report, shape, slice_kib * 1024, timeout=120)
+    logs = [o["log"] for o in out]
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    assert logs == [logs[0]] * world  # the same collectives on every rank, whatever its layout
+    broadcasts = [(dtype, n) for name, dtype, n in (e for e in logs[0] if len(e) == 3) if name == "broadcast"]
+    # the big buffer in slices of at most slice_kib (cut by shape), then the small differing one in its bucket
+    assert broadcasts == [("torch.float32", n) for n in slices] + [("torch.float32", 6)], broadcasts
+    assert max(n for _, n in broadcasts) * 4 <= slice_kib * 1024 and sum(slices) == math.prod(shape)
+    report = out[0]["value"]
+    assert all(o["value"] == report for o in out)
+    rows = {r.name: r for r in report.rows}
+    numel = math.prod(shape)
+    assert rows["big"].differing_ranks == tuple(range(1, world)) and rows["same"].in_sync and rows["agree"].in_sync
+    assert rows["big"].max_abs_diff == pytest.approx(0.5 * (world - 1), abs=1e-6)
+    assert rows["big"].max_rel_diff == pytest.approx(0.5 * (world - 1) / ((numel - 1) / numel), rel=1e-6)
+    assert rows["small"].max_abs_diff == world - 1 and rows["small"].differing_ranks == tuple(range(1, world))
+    from zero_buffers import report as report_mod
+
+    assert report_mod.SLICE_BYTES // MiB == 4  # the default: a few MiB

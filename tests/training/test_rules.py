@@ -1,8 +1,18 @@
 """Declared reductions (sync_buffers(model, rules=...)) on 2 and 4 real gloo ranks: every rule kind against a float64
 (or exact integer) reference computed here from the ranks' own values, the exactness of "mean" on a real EMA codebook
-(vector-quantize-pytorch), and bad rules refused by name on every rank with nothing changed."""
+(vector-quantize-pytorch), and bad rules refused by name on every rank with nothing changed.
+
+16-bit floats: ``"mean"`` and ``"sum"`` of float16 / bfloat16 buffers accumulate in float64 and round once into the
+buffer's dtype, through ``sync_buffers(rules=)`` and ``keep_in_sync`` alike (float16 40000 and 30000 average to
+35000, float16 35008 where their float16 sum is inf; bfloat16 255, 255, 256, 255 to 255, where the bfloat16 sum rounds
+to 1024 and 256 comes out). A rule only one rank's model refuses (an integer buffer under ``"mean"`` where the others'
+are floats) stops every rank within seconds with the same BufferStructureError naming it, nothing changed; refused
+alike everywhere, every rank raises the InvalidArgumentError itself. ``sync_buffers(model)`` with neither a policy
+nor rules (and with ``rules=None``) applies the default rules, the ``"average"`` preset, bit for bit what
+``sync_buffers(model, "average")`` gives."""
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -11,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal, bn_mixture, messages
+from tests.helpers import Toy, bitwise_equal, bn_mixture, messages, scramble
 from zero_buffers.training import rules as rules_mod
 
 BIG = 2 ** 60  # int64 values past 2**53: a float64 bucket would round them
@@ -119,7 +129,6 @@ def test_policies_are_presets_that_rules_refine(ranks2):
 
 
 # ============================================================================================ bad rules
-
 BAD = {
     "unknown rule": ({"ema": "avg"}, "unknown rule 'avg' for pattern 'ema'"),
     "two patterns": ({"ema*": "mean", "*ma": "max"}, "buffer 'ema' is claimed by two rules: pattern '*ma' says 'max', "
@@ -177,7 +186,6 @@ def test_register_rules_checks_its_arguments():
 
 
 # ============================================================================================ EMA codebook exactness
-
 STEPS = 6
 
 
@@ -237,3 +245,122 @@ def test_mean_rules_after_every_step_equal_a_vq_codebook_whose_statistics_are_me
         assert max(d["library"] for d in diffs) > 1e-4  # its own sync sums: a different EMA (laplace smoothing)
     for k in ("cluster_size", "embed_avg", "embed"):  # and every rank holds the same codebook
         assert all(bitwise_equal(o[1]["ours"][k], out[0][1]["ours"][k]) for o in out)
+
+
+# ============================================================================================ 16-bit floats
+F16 = (40000.0, 30000.0)
+BF16 = (255.0, 255.0, 256.0, 255.0)
+
+
+def _half_model(rank: int) -> nn.Module:
+    model = nn.Module()
+    model.register_buffer("h16", torch.full((3,), F16[rank % 2], dtype=torch.float16))
+    model.register_buffer("b16", torch.full((3,), BF16[rank % 4], dtype=torch.bfloat16))
+    model.register_buffer("count", torch.full((2,), 60000.0 + rank, dtype=torch.float16))
+    return model
+
+
+HALF_RULES = {"h16": "mean", "b16": "mean", "count": "sum"}
+
+
+def _sync_both_ways(rank, world):
+    one_shot = _half_model(rank)
+    zb.sync_buffers(one_shot, rules=HALF_RULES)
+    kept = _half_model(rank)
+    handle = zb.keep_in_sync(kept, rules={"h16": "mean", "b16": "mean", "count": "local"})
+    handle.sync()
+    handle.remove()
+    return {"one_shot": dict(one_shot.named_buffers()), "kept": dict(kept.named_buffers())}
+
+
+def _expected(world: int, name: str, dtype: torch.dtype) -> torch.Tensor:
+    values = F16 if name == "h16" else BF16
+    mean = sum(values[r % len(values)] for r in range(world)) / world  # float64
+    return torch.full((3,), mean, dtype=torch.float64).to(dtype)
+
+
+def test_16_bit_means_and_sums_accumulate_in_float64_and_round_once(ranks):
+    out = ranks.run(_sync_both_ways, timeout=120)
+    world = len(out)
+    half, brain = _expected(world, "h16", torch.float16), _expected(world, "b16", torch.bfloat16)
+    assert float(half[0]) == 35008.0 and float(brain[0]) == 255.0  # 35000 rounded once: float16 steps by 32 there
+    counts = torch.full((2,), sum(60000.0 + r for r in range(world)), dtype=torch.float64).half()  # inf: it is
+    for o in out:
+        for way in ("one_shot", "kept"):
+            assert bitwise_equal(o[way]["h16"], half), (way, o[way]["h16"])
+            assert bitwise_equal(o[way]["b16"], brain), (way, o[way]["b16"])
+        assert bitwise_equal(o["one_shot"]["count"], counts)  # the float64 sum past float16's range, rounded once
+
+
+# ============================================================================================ a rule one rank refuses
+def _ema_model(rank: int, odd: int | str | None) -> nn.Module:
+    model = nn.Module()
+    dtype = torch.int64 if odd in (rank, "all") else torch.float32
+    model.register_buffer("ema", torch.full((3,), rank, dtype=dtype))
+    return model
+
+
+def _rank_dependent(rank, world):
+    out = {}
+    for odd in (world - 1, "all", None):
+        model = _ema_model(rank, odd)
+        started = time.monotonic()
+        error = messages({"sync": lambda: zb.sync_buffers(model, rules={"ema": "mean"})}, zb.ZeroBuffersError)
+        out[odd] = (error["sync"], time.monotonic() - started, model.ema.clone())
+    return out
+
+
+def test_a_rule_one_ranks_model_refuses_stops_every_rank_naming_it(ranks):
+    out = ranks.run(_rank_dependent, timeout=120)
+    world = len(out)
+    for r, o in enumerate(out):
+        message, seconds, ema = o[world - 1]
+        assert message is not None and "could not plan its buffers here" in message, message
+        assert "'mean' of int64 values is not exact" in message and f"rank {world - 1}" in message, message
+        assert seconds < 20
+        assert torch.equal(ema, torch.full((3,), r, dtype=ema.dtype))  # nothing changed
+        message, _, _ = o["all"]  # every rank's model refuses it: the rule error itself, everywhere
+        assert message == out[0]["all"][0] and message.startswith("sync_buffers(): buffer 'ema' (int64) has rule")
+        message, _, _ = o[None]  # every rank's model is fine: they sync
+        assert message is None
+    assert all(torch.equal(o[None][2], out[0][None][2]) for o in out)
+
+
+# ============================================================================================ the default rules
+def _toy_model(rank: int) -> Toy:
+    torch.manual_seed(0)
+    model = scramble(Toy(), rank)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.num_batches_tracked.fill_(rank + 1)
+    return model
+
+
+def _defaults(rank, world):
+    out = {}
+    for how, call in {"bare": lambda m: zb.sync_buffers(m), "rules=None": lambda m: zb.sync_buffers(m, rules=None),
+                      "average": lambda m: zb.sync_buffers(m, "average")}.items():
+        model = _toy_model(rank)
+        returned = call(model)
+        out[how] = (returned, {n: b.clone() for n, b in model.named_buffers()})
+    out["rank0"] = {n: b.clone() for n, b in _toy_model(0).named_buffers()}
+    out["own"] = {n: b.clone() for n, b in _toy_model(rank).named_buffers()}
+    return out
+
+
+def test_sync_buffers_without_policy_or_rules_applies_the_default_rules(ranks):
+    out = ranks.run(_defaults, timeout=120)
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    for o in out:
+        for how in ("bare", "rules=None"):
+            returned, got = o[how]
+            assert returned == o["average"][0] > 0
+            assert all(bitwise_equal(got[n], o["average"][1][n]) for n in got), how  # the "average" preset
+            assert all(bitwise_equal(got[n], out[0][how][1][n]) for n in got)  # the same on every rank
+            for n, b in got.items():
+                if not n.endswith(stats):
+                    assert bitwise_equal(b, o["rank0"][n]), n  # every other buffer: rank 0's
+            assert int(got["bn.num_batches_tracked"]) == sum(r + 1 for r in range(len(out)))  # merged, counted
+            if len(out) > 1:
+                assert not bitwise_equal(got["bn.running_mean"], o["own"]["bn.running_mean"])

@@ -1,11 +1,13 @@
 """Checkpoints carry synchronised buffers: plain torch (DDP), Accelerate (DDP and DeepSpeed ZeRO-3), DeepSpeed engines.
 
 Every test trains on real gloo ranks with shard-dependent data, saves the default way and with the fix,
-reloads the files here in one fresh process, and compares the BatchNorm buffers with the merged truth.
-"""
+reloads the files here in one fresh process, and compares the BatchNorm buffers with the merged truth. The save
+hooks refuse one-shot data (a callable recomputes at every save), and Accelerate's save_model / get_state_dict, which
+run on the main process only and so cannot sync, warn once and do not hang."""
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,12 @@ from torch import nn
 
 import zero_buffers as zb
 from tests.ckpt_kinds import Tag  # identity with a non-BatchNorm buffer (a step counter, a codebook ...)
+from tests.helpers import (
+    ZERO3_CONFIG,
+    bn_net,
+    init_deepspeed,
+)
 from zero_buffers._core import modules as _modules
-
-# the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
-pytestmark = pytest.mark.stack
 
 STAT_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -106,7 +110,6 @@ def local_stats(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- plain torch: sync_buffers before torch.save on rank 0 ----------------------------------------------------------
-
 def _plain_ddp(rank, world, folder, policy, src):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -124,6 +127,7 @@ def _plain_ddp(rank, world, folder, policy, src):
     return pre, local_stats(model), model.module[7].tag.tolist()
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("policy", ["average", "recompute", "broadcast"])
 def test_plain_torch_sync_buffers_then_save_on_rank_0(ranks, tmp_path, policy):
     world = ranks.world_size
@@ -157,6 +161,7 @@ def _check_policy(rank, world, folder):
     return str(info.value), zb.sync_buffers(model, "check")
 
 
+@pytest.mark.stack
 def test_check_policy_refuses_on_every_rank_until_synced(ranks, tmp_path):
     out = ranks.run(_check_policy, str(tmp_path), timeout=60)
     messages = [m for m, _ in out]
@@ -165,7 +170,6 @@ def test_check_policy_refuses_on_every_rank_until_synced(ranks, tmp_path):
 
 
 # -- Accelerate: save_state on the DDP path and on the DeepSpeed ZeRO-3 path ----------------------------------------
-
 def _accelerate(rank, world, folder, use_deepspeed, policy):
     from tests.helpers import init_deepspeed
 
@@ -231,6 +235,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("policy", ["average", "recompute"])
 def test_accelerate_save_state_ddp_path(ranks, tmp_path, policy):
     world = ranks.world_size
@@ -259,6 +264,7 @@ def _zero_to_fp32(folder: Path, tag: str) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
 
 
+@pytest.mark.stack
 def test_accelerate_save_state_deepspeed_zero3_path(ranks, tmp_path):
     world = ranks.world_size
     out = ranks.run(_accelerate, str(tmp_path), True, "average", timeout=180)
@@ -282,7 +288,6 @@ def test_accelerate_save_state_deepspeed_zero3_path(ranks, tmp_path):
 
 
 # -- DeepSpeed engine: save_checkpoint (+ zero_to_fp32) and save_16bit_model ----------------------------------------
-
 def _engine(rank, world, folder):
     from tests.helpers import ZERO3_CONFIG, init_deepspeed
 
@@ -308,6 +313,7 @@ def _engine(rank, world, folder):
     return pre, local_stats(engine), restored
 
 
+@pytest.mark.stack
 def test_deepspeed_engine_save_checkpoint_zero_to_fp32_and_16bit_model(ranks, tmp_path):
     world = ranks.world_size
     out = ranks.run(_engine, str(tmp_path), timeout=180)
@@ -331,6 +337,7 @@ def test_deepspeed_engine_save_checkpoint_zero_to_fp32_and_16bit_model(ranks, tm
         assert_stats(o[1], out[0][1], tol=0)
 
 
+@pytest.mark.stack
 def test_sync_buffers_on_save_rejects_other_targets_and_bad_policies():
     with pytest.raises(zb.InvalidArgumentError, match="Accelerator or a DeepSpeed engine"):
         zb.sync_buffers_on_save(make_net(), "average")
@@ -338,3 +345,83 @@ def test_sync_buffers_on_save_rejects_other_targets_and_bad_policies():
         zb.sync_buffers(make_net(), "recompute")
     with pytest.raises(zb.InvalidArgumentError, match="policy must be one of"):
         zb.sync_buffers(make_net(), "mean")
+
+
+# -- one-shot inputs, and what the hooks cannot cover ------------------------------------------------------------------
+def _engine_saves_twice(rank, world, tmp, reusable):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=ZERO3_CONFIG)
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 3, generator=g) + 3 * rank for _ in range(2)]
+    data = (lambda: iter(batches)) if reusable else (b for b in batches)
+    try:
+        hook = zb.sync_buffers_on_save(engine, "recompute", data=data)
+    except zb.InvalidArgumentError as e:
+        return str(e), None
+    means = []
+    try:
+        for step in range(2):
+            with torch.no_grad():
+                engine.module[1].running_mean.fill_(float(rank + step))  # training moved them apart again
+            engine.save_checkpoint(f"{tmp}/ckpt", tag=f"s{step}")
+            means.append(engine.module[1].running_mean.clone())
+    finally:
+        hook.remove()
+    return None, means
+
+
+@pytest.mark.stack
+def test_save_hooks_refuse_one_shot_data_and_recompute_at_every_save_with_a_callable(ranks2, tmp_path):
+    refused = ranks2.run(_engine_saves_twice, str(tmp_path / "a"), False, timeout=120)
+    assert all(msg is not None and "one-shot iterator" in msg for msg, _ in refused)
+    out = ranks2.run(_engine_saves_twice, str(tmp_path / "b"), True, timeout=120)
+    for _, means in out:
+        assert torch.equal(means[0], means[1])  # both saves recomputed from the same data
+        assert torch.equal(means[1], out[0][1][1])  # and every rank holds the same statistics
+    assert not torch.equal(out[0][1][1], torch.zeros(3))
+
+
+def _accelerate_save_model(rank, world, folder):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        model = accelerator.prepare(bn_net())
+        model(torch.randn(8, 3) + 3 * rank)
+        hook = zb.sync_buffers_on_save(accelerator, "average")
+        messages = []
+        if accelerator.is_main_process:  # the usual pattern: no collective may run here
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for _ in range(2):  # once per method and process
+                    accelerator.save_model(model, folder)
+                    accelerator.get_state_dict(model)
+            messages = [str(w.message) for w in seen if issubclass(w.category, zb.ZeroBuffersWarning)]
+        accelerator.wait_for_everyone()
+        hook.remove()
+        return messages, accelerator.unwrap_model(model)[1].running_mean.clone()
+    finally:
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def test_accelerate_save_model_and_get_state_dict_on_the_main_process_warn_once_and_do_not_hang(ranks2, tmp_path):
+    from safetensors.torch import load_file
+
+    from zero_buffers._core import notice as _notice
+
+    (m0, mean0), (m1, _) = ranks2.run(_accelerate_save_model, str(tmp_path), timeout=120)
+    assert len(m0) == 2 and "accelerator.save_model() writes the model's buffers as this rank holds them" in m0[0]
+    assert "accelerator.get_state_dict() writes" in m0[1] and m1 == []
+    assert "sync_buffers(model, 'average') on every rank first" in m0[0]
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(saved["1.running_mean"], mean0)  # rank 0's statistics, as the warning says
+    _notice._SEEN.clear()

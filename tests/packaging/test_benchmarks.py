@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.helpers import run_cmd
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_benchmarks_write_every_output(tmp_path):

@@ -1,4 +1,6 @@
-"""frozen_replica keeps the wrapped model's API: real transformers / diffusers / remote-code models, 2 and 4 gloo ranks.
+"""frozen_replica: a frozen module as a full, identical, no_grad replica on every rank that keeps the wrapped model's
+API: real transformers / diffusers / remote-code models, 2 and 4 gloo ranks; and on real DeepSpeed ZeRO-3 ranks
+(section 8), built partitioned or plain, through deepspeed.initialize, training and checkpoints.
 
 Every rank builds its model with its own seed (other weights and buffers), so a check that passes shows both the
 broadcast from rank 0 and the API. The reference ("the original") is rank 0's model built again, locally, from
@@ -25,18 +27,19 @@ import zero_buffers as zb
 from tests.helpers import (
     ZERO3_CONFIG,
     bitwise_equal,
+    buffers,
     init_deepspeed,
     log_collectives,
     log_deepspeed_comm,
     restore_collectives,
+    same_state,
 )
+from tests.zero3.models import Tokenizer
 
 # the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
 pytestmark = pytest.mark.stack
 
 # ------------------------------------------------------------------------------------------------ tiny models
-
-
 @contextlib.contextmanager
 def _seeded(seed: int):
     with torch.random.fork_rng(devices=[]):
@@ -129,8 +132,6 @@ def _main(out):
 
 
 # ------------------------------------------------------------------------------------------------ check helpers
-
-
 def _check(results: dict, name: str, fn) -> None:
     """results[name] = True, or why not (a failed comparison's message, or the exception)."""
     try:
@@ -182,8 +183,6 @@ def _flat(prefix: str, checks: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------- 1. attributes, own methods, no_grad
-
-
 def _common(results: dict, replica: nn.Module, ref: nn.Module) -> None:
     """What every replica must answer like its original does."""
     _check(results, "is_replica", lambda: zb.is_frozen_replica(replica) or "not a replica")
@@ -326,8 +325,6 @@ def test_no_grad_false_lets_gradients_reach_the_input(ranks2):
 
 
 # ------------------------------------------------------------------------------------ 2. save_pretrained round trip
-
-
 def _pretrained(rank, world, tmp):
     from transformers import BertModel, CLIPModel, GPT2LMHeadModel
 
@@ -392,8 +389,6 @@ def test_save_pretrained_writes_a_checkpoint_the_original_class_loads(ranks2, tm
 
 
 # ------------------------------------------------------------------------------- 3. torch.save / pickle / deepcopy
-
-
 class _Locked(nn.Module):
     """A model holding an unpicklable attribute (a lock), as models holding a logger handle or a client do."""
 
@@ -484,8 +479,6 @@ def test_torch_save_pickle_and_deepcopy_round_trip(ranks2, tmp_path):
 
 
 # ----------------------------------------------------------------------- 4. a submodule under deepspeed.initialize
-
-
 class _WithFrozenEncoder(nn.Module):
     def __init__(self, encoder: nn.Module):
         super().__init__()
@@ -551,8 +544,6 @@ def test_replica_as_a_submodule_under_deepspeed_zero3(ranks2, precision):
 
 
 # ------------------------------------------------------- 5. the replica itself given to deepspeed / Accelerate
-
-
 def _as_engine_model(rank, world):
     deepspeed = init_deepspeed()
     from accelerate import Accelerator, DeepSpeedPlugin
@@ -614,8 +605,6 @@ def test_replica_given_to_deepspeed_or_accelerate_raises_invalid_argument(ranks2
 
 
 # ------------------------------------------------------------------------------------------- 6. the whole corpus
-
-
 def _corpus(rank, world, tmp):
     from tests.corpus import CORPUS, api_checks, cast_example  # noqa: F401
 
@@ -654,8 +643,6 @@ def test_whole_corpus_through_frozen_replica(ranks, tmp_path):
 
 
 # ------------------------------------------------------------------------- 7. nesting, and the replica's class
-
-
 class _Encoder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -719,3 +706,170 @@ def test_a_cast_asked_of_the_replica_itself_is_honoured_a_parents_is_not():
     replica.to(torch.float64)
     assert {t.dtype for t in replica.buffers() if t.is_floating_point()} == {torch.float64}
     assert replica[1].num_batches_tracked.dtype == torch.int64
+
+
+# ----------------------------------------------------- 8. on real ZeRO-3 ranks: identical, idempotent, through training
+def pretrained() -> dict[str, torch.Tensor]:
+    torch.manual_seed(2024)
+    ref = Tokenizer()
+    with torch.no_grad():
+        ref.bn.running_mean.uniform_(-1, 1)
+        ref.bn.running_var.uniform_(0.5, 2)
+        ref.bn.num_batches_tracked.fill_(10)
+    return ref.state_dict()
+
+
+def _frozen(rank, world, src):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=ZERO3_CONFIG):
+        tok = Tokenizer()
+    with deepspeed.zero.GatheredParameters(list(tok.parameters()), modifier_rank=0):
+        if rank == 0:
+            tok.load_state_dict(pretrained())  # incident 1: only rank 0 gets the buffers
+    keys = list(tok.state_dict().keys())
+    before = buffers(tok)
+    replica = zb.frozen_replica(tok, src=src)
+    calls: list = []
+    real = log_collectives(calls)  # torch.distributed's functions ...
+    undo = log_deepspeed_comm(calls)  # ... and DeepSpeed's comm backend, which ZeRO-3's all-gathers go through
+    try:
+        parent = nn.Sequential(replica)
+        parent.train()  # a training loop switching everything to train mode must not move BN stats
+        replica.bn.train()  # nor a call on an inner module
+        x = torch.ones(2, 3, 4, 4, 4, requires_grad=True)  # autograd would track the output through x
+        y = replica(x)
+    finally:
+        undo()
+        restore_collectives(real)
+    # the control: the same module and input through the unfrozen class's forward (no no_grad) is tracked
+    control = Tokenizer.forward(replica, x)
+    state = replica.state_dict()
+    weights = list(replica.parameters())
+    return dict(same_object=replica is tok, keys=keys, new_keys=list(state.keys()), state=state, calls=calls,
+                y=y.detach(), grad=y.requires_grad or y.grad_fn is not None,
+                control_grad=control.requires_grad and control.grad_fn is not None,
+                params=len(weights), real_params=sum(len(m._parameters) for m in replica.modules()),
+                plain_weights=all(type(w) is torch.Tensor and not hasattr(w, "ds_id") and w.numel() > 0
+                                  and not w.requires_grad for w in weights),
+                own_params=len(list(replica.parameters(recurse=False))),
+                frozen=zb.is_frozen_replica(replica) and all(zb.is_frozen_replica(m) for m in replica.modules()),
+                names=[type(m).__name__ for m in replica.modules()],
+                training=replica.training or any(m.training for m in replica.modules()),
+                tied=replica.proj.weight is replica.proj2.weight, before=before, name=type(replica).__name__,
+                stats_after=buffers(replica))
+
+
+@pytest.mark.parametrize("src_kind", ["rank0", "last"])
+def test_frozen_replica_is_a_full_identical_no_grad_replica(ranks, src_kind):
+    src = 0 if src_kind == "rank0" else ranks.world_size - 1
+    out = ranks.run(_frozen, src, timeout=120)
+    sd = pretrained()
+    for r in out:
+        assert r["same_object"] and r["frozen"]
+        # every module keeps its class name (save_pretrained / pickling name the original class)
+        assert r["name"] == "Tokenizer" and r["names"] == ["Tokenizer", "Conv3d", "BatchNorm3d", "Linear", "Linear"]
+        assert r["new_keys"] == r["keys"]  # same state_dict keys, same order
+        assert same_state(r["state"], out[src]["state"])  # everything equals rank src's
+        assert r["calls"] == []  # forward: no all-gather, no broadcast
+        assert not r["grad"] and r["control_grad"]  # forward runs under no_grad, even for an input needing grad
+        # parameters() yields the 7 weights (the tied one once) as full plain tensors, without ds_id; no real
+        # nn.Parameter is left anywhere, and the per-module walk (recurse=False) engines use sees none
+        assert r["params"] == 7 and r["plain_weights"] and r["real_params"] == 0 and r["own_params"] == 0
+        assert not r["training"] and r["tied"]
+        assert torch.equal(r["y"], out[0]["y"])  # same output on every rank for the same input
+        assert same_state(r["stats_after"], {k: r["state"][k] for k in r["stats_after"]})  # BN did not update
+    if src == 0:
+        assert same_state({k: out[-1]["state"][k] for k in sd}, sd)  # rank 0's checkpoint reached the last rank
+    assert not torch.equal(out[-1]["before"]["bn.running_mean"], sd["bn.running_mean"])  # it did not before
+
+
+def _in_engine(rank, world, path):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(rank)
+    cfg = {**ZERO3_CONFIG, "train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        tok = Tokenizer()
+    with deepspeed.zero.GatheredParameters(list(tok.parameters()), modifier_rank=0):
+        if rank == 0:
+            tok.load_state_dict(pretrained())
+    tok = zb.frozen_replica(tok)
+    frozen = {k: v.clone() for k, v in tok.state_dict().items()}
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = tok
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.tok(x))
+
+    model = Model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=cfg)
+    x = torch.randn(2, 3, 4, 4, 4)
+    for _ in range(2):
+        engine.backward(engine(x).sum())
+        engine.step()
+    trained = {k: v.clone() for k, v in tok.state_dict().items()}
+    engine.save_checkpoint(path, tag="t")
+    with torch.no_grad():
+        tok.bn.running_mean.fill_(123.0)  # clobber, then restore from the checkpoint
+    engine.load_checkpoint(path, tag="t")
+    head_partitioned = all(hasattr(p, "ds_id") for p in model.head.parameters())  # small ones stay resident
+    whole = (len(list(tok.parameters())) == 7 and not any(hasattr(t, "ds_id") for t in tok.parameters())
+             and not any(hasattr(t, "ds_id") for t in tok.buffers()) and zb.is_frozen_replica(tok)
+             and sum(len(m._parameters) for m in tok.modules()) == 0
+             and [n for n, _ in engine.module.named_parameters()] == ["head.weight", "head.bias"])
+    return (frozen, trained, {k: v.clone() for k, v in tok.state_dict().items()}, head_partitioned, whole,
+            tok.training)
+
+
+def test_frozen_replica_survives_deepspeed_initialize_training_and_checkpoints(ranks, tmp_path):
+    out = ranks.run(_in_engine, str(tmp_path), timeout=180)
+    sd = pretrained()
+    for frozen, trained, reloaded, head_partitioned, whole, training in out:
+        assert head_partitioned  # the engine took the trainable part under ZeRO-3 ...
+        assert same_state(trained, frozen) and same_state(reloaded, frozen)  # ... and left the replica whole
+        assert whole and not training  # not partitioned, not an engine parameter, still in eval mode
+        assert same_state({k: frozen[k] for k in sd}, sd)
+
+
+def _frozen_twice_and_failing(rank, world):
+    torch.manual_seed(rank)
+    tok = zb.frozen_replica(Tokenizer())  # no DeepSpeed at all: plain per-rank random init gets aligned
+    first = buffers(tok)
+    with torch.no_grad():
+        tok.bn.running_mean.add_(rank)
+    again = zb.frozen_replica(tok, src=world - 1)  # already a replica: just re-broadcast
+    lone = Tokenizer() if rank == 0 else nn.Sequential(Tokenizer(), nn.BatchNorm1d(2))
+    classes = [type(m) for m in lone.modules()]
+    params = {n: p for n, p in lone.named_parameters()}
+    bufs = {n: b for n, b in lone.named_buffers()}
+    keys = list(lone.state_dict().keys())
+    try:
+        zb.frozen_replica(lone)
+    except zb.BufferStructureError:
+        failed = True
+    else:
+        failed = False
+    restored = ([type(m) for m in lone.modules()] == classes
+                and not any(zb.is_frozen_replica(m) for m in lone.modules())
+                and {n: p for n, p in lone.named_parameters()} == params  # the very same nn.Parameter objects
+                and all(isinstance(p, nn.Parameter) and p.requires_grad for p in lone.parameters())
+                and {n: b for n, b in lone.named_buffers()} == bufs and list(lone.state_dict().keys()) == keys
+                and not any("_zb_weights" in vars(m) for m in lone.modules()))
+    twice = (zb.is_frozen_replica(again) and len(list(again.parameters())) == 7
+             and sum(len(m._parameters) for m in again.modules()) == 0
+             and list(again.state_dict().keys()) == list(Tokenizer().state_dict().keys()))
+    return first, buffers(again), type(again).__name__, failed, restored, twice
+
+
+def test_frozen_replica_is_idempotent_and_a_failed_call_changes_nothing(ranks):
+    out = ranks.run(_frozen_twice_and_failing)
+    f0, a0 = out[0][0], out[0][1]
+    for first, again, name, failed, restored, twice in out:
+        assert same_state(first, f0) and same_state(again, a0) and name == "Tokenizer" and twice
+        assert failed and restored
+    assert torch.equal(a0["bn.running_mean"], f0["bn.running_mean"] + ranks.world_size - 1)  # the last rank's won

@@ -1,18 +1,32 @@
-"""recompute_bn_stats: exact population statistics across 2 and 4 real gloo ranks, uneven data, wrappers, restore."""
+"""recompute_bn_stats: exact population statistics across 2 and 4 real gloo ranks, uneven data, wrappers, restore.
+
+Under ZeRO-3 too: a forward that raises half-way on one rank reaches every rank as RecomputeError, and a rank
+without batches still takes part. A recompute that saw no batch never reports success; progress bars go to a
+terminal only."""
 from __future__ import annotations
 
 import contextlib
 import io
 import threading
 import time
+import warnings
+from contextlib import redirect_stderr
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 import zero_buffers as zb
+from tests.helpers import (
+    ZERO3_CONFIG,
+    bn_net,
+    buffers,
+    init_deepspeed,
+    same_state,
+)
 
 N_BATCHES = [3, 1, 4, 2]  # per rank: uneven on purpose
 
@@ -342,3 +356,118 @@ def test_single_process_details_device_lazy_layers_and_layers_no_batch_reached()
         branch.unused.running_mean.fill_(5.0)
     assert zb.recompute_bn_stats(branch, [torch.randn(6, 2)], progress=False) == 1
     assert torch.equal(branch.unused.running_mean, torch.full((2,), 5.0))  # kept, not zeroed
+
+
+# ---- a ZeRO-3 forward that raises half-way on one rank -------------------------------------------------------------
+class Trips(nn.Module):
+    """Raises on rank 1 at its second batch, after DeepSpeed gathered the layers before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls == 2:
+            raise ValueError("bad batch on rank 1")
+        return x
+
+
+def _forward_raises_half_way(rank, world):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 5), Trips(), nn.Linear(5, 5), nn.BatchNorm1d(5))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=ZERO3_CONFIG)
+    before = buffers(engine.module)
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randn(6, 3, generator=g) for _ in range(3)]
+    try:
+        zb.recompute_bn_stats(engine, data, progress=False)  # timeout=None
+        caught = None
+    except zb.RecomputeError as e:
+        caught = (str(e), e.ranks, type(e.__cause__).__name__ if e.__cause__ else None)
+    return caught, same_state(before, buffers(engine.module))
+
+
+@pytest.mark.stack
+def test_a_zero3_forward_raising_half_way_reaches_every_rank_as_recompute_error(ranks):
+    out = ranks.run(_forward_raises_half_way, timeout=90)
+    for rank, (caught, unchanged) in enumerate(out):
+        assert caught is not None and caught[1] == (1,), caught
+        assert "rank 1: ValueError: bad batch on rank 1" in caught[0], caught[0]
+        assert caught[2] == ("ValueError" if rank == 1 else None)
+        assert unchanged
+    assert len({c[0] for c, _ in out}) == 1
+
+
+def _zero3_rank_without_batches(rank, world):
+    deepspeed = init_deepspeed()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 5), nn.BatchNorm1d(5))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.1),
+                                      config=ZERO3_CONFIG)
+    g = torch.Generator().manual_seed(rank)
+    data = [] if rank == 1 else [torch.randn(6, 3, generator=g) * (1 + rank) for _ in range(rank + 1)]
+    written = zb.recompute_bn_stats(engine, data, progress=False)
+    return written, buffers(engine.module)
+
+
+@pytest.mark.stack
+def test_under_zero3_a_rank_without_batches_takes_part(ranks):
+    out = ranks.run(_zero3_rank_without_batches, timeout=90)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 5), nn.BatchNorm1d(5)).double().train()
+    xs, hs = [], []
+    for r in range(ranks.world_size):
+        g = torch.Generator().manual_seed(r)
+        for x in ([] if r == 1 else [torch.randn(6, 3, generator=g) * (1 + r) for _ in range(r + 1)]):
+            xs.append(x.double())
+            with torch.no_grad():
+                hs.append(ref[1](ref[0](x.double())))  # the second BatchNorm sees batches the first normalised
+    x, h = torch.cat(xs), torch.cat(hs)
+    for written, bufs in out:
+        assert written == 2
+        torch.testing.assert_close(bufs["0.running_var"].double(), x.var(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bufs["2.running_mean"].double(), h.mean(0), rtol=1e-4, atol=1e-5)
+        assert same_state(bufs, out[0][1])
+
+
+# ---- one-shot inputs ---------------------------------------------------------------------------------------------
+def _recompute_on_no_batch(rank, world):
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.BatchNorm1d(3))
+    with torch.no_grad():
+        model[0].running_mean.normal_()
+    before = buffers(model)
+    try:
+        zb.sync_buffers(model, "recompute", data=iter([]))
+        caught = None
+    except zb.RecomputeError as e:
+        caught = str(e)
+    return caught, same_state(before, buffers(model))
+
+
+@pytest.mark.stack
+def test_a_recompute_that_saw_no_batch_never_reports_success(ranks2):
+    for caught, unchanged in ranks2.run(_recompute_on_no_batch, timeout=60):
+        assert caught is not None and "no rank had a batch" in caught
+        assert unchanged  # before 0.2: rank 0's statistics were broadcast and a count returned
+
+
+def test_progress_defaults_to_a_terminal_and_never_writes_carriage_returns_into_logs():
+    data = [torch.randn(8, 3) for _ in range(3)]
+    for call in (lambda p: zb.recompute_bn_stats(bn_net(), data, **p),
+                 lambda p: zb.sync_buffers(bn_net(), "recompute", data=data, **p)):
+        log = io.StringIO()  # not a terminal
+        with redirect_stderr(log), warnings.catch_warnings():
+            warnings.simplefilter("ignore", zb.ZeroBuffersWarning)
+            call({})
+        assert "\r" not in log.getvalue() and "recompute_bn_stats" not in log.getvalue()
+        forced = io.StringIO()
+        with redirect_stderr(forced), warnings.catch_warnings():
+            warnings.simplefilter("ignore", zb.ZeroBuffersWarning)
+            call({"progress": True})
+        assert "recompute_bn_stats" in forced.getvalue()
+    with pytest.raises(zb.InvalidArgumentError, match="progress"):
+        zb.recompute_bn_stats(bn_net(), data, progress="yes")

@@ -1,20 +1,28 @@
-"""Structure faults for every public function that agrees on structure: every rank raises the same error, decided
-by one all_gather of three int64 before any data moves, and nothing changes.
+"""Structure agreement, the first collective of every call: for every public function that agrees on structure,
+every rank raises the same error, decided by one all_gather of three int64 before any data moves, and nothing
+changes; the digest holds everything that decides the collectives (device ordinals, the bucket cap).
 
 Table-driven: one rank body runs every (function, fault kind) case inside ONE pool task, logging every
 torch.distributed collective each call issues (tests.helpers.log_collectives); the parent checks every case and
-reports all failing ones by name in one message. Run at world 2 (odd rank 1) and world 4 (odd rank 2, a middle rank).
-"""
+reports all failing ones by name in one message. Run at world 2 (odd rank 1) and world 4 (odd rank 2, a middle rank)."""
 from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
 import zero_buffers as zb
-from tests.helpers import ERROR_PATH, bitwise_equal, check_table, logged_call, run_table, scramble
+from tests.helpers import (
+    ERROR_PATH,
+    bitwise_equal,
+    check_table,
+    logged_call,
+    run_table,
+    scramble,
+)
 
 DIGEST = ("all_gather", "torch.int64", 3)  # [structure digest, status, extra]: the first collective of every call
 DATA = ("broadcast", "all_reduce")
@@ -329,3 +337,39 @@ def _check_call_fault(name: str, results: list) -> None:
 def test_ranks_calling_with_different_arguments_raise_the_same_error(ranks):
     names = list(CALL_FAULTS)
     check_table(names, ranks.run(_call_fault_table, _odd(ranks), names, timeout=120), _check_call_fault)
+
+
+# ---- the digest holds what decides the collectives -----------------------------------------------------------------
+class _Placed:
+    """A tensor's description as structure agreement reads it (dtype, shape, device, layout): lets this pure function
+    see device ordinals that a CPU-only machine cannot make (tests/gpu/run.sh runs the real thing)."""
+
+    def __init__(self, device: str, n: int = 4):
+        self.dtype, self.shape, self.device, self.layout = torch.float32, torch.Size([n]), torch.device(device), \
+            torch.strided
+
+
+@pytest.mark.stack
+def test_device_ordinals_one_gpu_per_rank_agree_one_rank_on_two_gpus_does_not():
+    from zero_buffers._core import structure as _structure
+
+    one_gpu_rank0 = [("a", _Placed("cuda:0")), ("b", _Placed("cuda:0"))]
+    one_gpu_rank1 = [("a", _Placed("cuda:1")), ("b", _Placed("cuda:1"))]
+    two_gpus = [("a", _Placed("cuda:0")), ("b", _Placed("cuda:1"))]  # two buckets where the others have one
+    call = ("broadcast_buffers",)
+    assert _structure.digest(call, one_gpu_rank0) == _structure.digest(call, one_gpu_rank1)
+    assert _structure.digest(call, one_gpu_rank0) != _structure.digest(call, two_gpus)
+    assert [s.device for s in _structure.specs(two_gpus)] == ["cuda", "cuda#1"]
+
+
+@pytest.mark.stack
+def test_the_bucket_cap_is_part_of_the_digest(monkeypatch):
+    from zero_buffers._core import structure as _structure, wire as _wire
+
+    entries = [("a", torch.zeros(4)), ("b", torch.zeros(4))]
+    before = _structure.digest(("x",), entries)
+    assert len(_wire.plan([t for _, t in entries])) == 1
+    monkeypatch.setattr(_wire, "BUCKET_BYTES", 16)
+    _structure._CACHE.clear()
+    assert len(_wire.plan([t for _, t in entries])) == 2
+    assert _structure.digest(("x",), entries) != before

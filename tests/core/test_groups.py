@@ -1,19 +1,21 @@
-"""The group a call runs over: rank arguments count within it, and ranks outside it (or alone in it) do nothing.
+"""The group a call runs over ([Note: rank convention]): rank arguments count within it, and ranks outside it (or
+alone in it, or without a process group at all) do nothing.
 
-Structure faults themselves are in tests/test_structure_faults.py, bad arguments in tests/test_bad_input.py.
+Structure faults are in tests/core/test_structure_agreement.py, bad arguments in tests/core/test_bad_input.py.
 Table-driven, at world 4 with the subgroup of global ranks [1, 3]: one pool task per table, every collective
-logged, every failing case named.
-"""
+logged, every failing case named."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal, check_table, logged_call, run_table, scramble
+from tests.helpers import bitwise_equal, bn_net, check_table, logged_call, run_table, scramble
 
 MEMBERS = (1, 3)  # the subgroup: group rank 0 is global rank 1, group rank 1 is global rank 3
 
@@ -180,3 +182,18 @@ def _check_no_op(name: str, res: list) -> None:
 
 def test_ranks_outside_the_group_or_alone_in_it_do_nothing(ranks4):
     check_table(NO_OP_CASES, ranks4.run(_no_op_table, NO_OP_CASES, timeout=120), _check_no_op)
+
+
+def test_a_single_process_call_warns_once_that_it_did_nothing():
+    from zero_buffers._core import notice as _notice
+
+    _notice._SEEN.clear()
+    model = bn_net()
+    with pytest.warns(zb.ZeroBuffersWarning, match="without a torch.distributed process group"):
+        assert zb.average_bn_stats(model) == 0
+    with pytest.warns(zb.ZeroBuffersWarning, match=r"sync_buffers\(\) ran without"):
+        assert zb.sync_buffers(model, "average") == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zb.average_bn_stats(model) == 0  # once per process
+    _notice._SEEN.clear()

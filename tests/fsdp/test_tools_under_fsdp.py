@@ -552,7 +552,7 @@ def test_a_peer_dying_mid_broadcast_under_fsdp2_raises_collective_error_and_writ
 
 
 def _peer_dies(rank, world):
-    from tests.test_rank_faults import _inject  # the real collectives, wrapped on the faulty rank only
+    from tests.core.test_rank_faults import _inject  # the real collectives, wrapped on the faulty rank only
     model = _trained(rank)
     before = _buffers(model)
     if rank == 1:

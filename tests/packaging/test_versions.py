@@ -20,7 +20,7 @@ from tests.helpers import ZERO3_CONFIG, init_deepspeed
 # the tests of what DeepSpeed, transformers and Accelerate do: run on both dependency stacks (.ci/run)
 pytestmark = pytest.mark.stack
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pins(name: str) -> dict[str, str]:

@@ -2,9 +2,10 @@
 
 Table-driven: every (public function, bad-argument kind) case runs in one go, without a process group in the
 pytest process and on 2 real ranks inside ONE pool task (every torch.distributed collective logged: none may be
-issued, and every rank must raise the same error). Tensors that cannot be sent (meta, sparse, quantized) are
-refused right after the structure agreement, identically on every rank, before any data moves.
-"""
+issued, and every rank must raise the same error). Tensors that cannot be sent (meta, sparse, quantized) or written
+(inference tensors, made under ``torch.inference_mode()``) are refused right after the structure agreement,
+identically on every rank, naming them, before any data moves: the writes after the vote only copy, so whatever
+could make one fail is found before it."""
 from __future__ import annotations
 
 import datetime
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import ZERO3_CONFIG, bitwise_equal, check_table, logged_call, run_table, scramble
+from tests.helpers import ZERO3_CONFIG, bitwise_equal, check_table, logged_call, messages, run_table, scramble
 from zero_buffers._core import args as _args, group as _group, modules as _modules, transaction as _transaction
 
 DIGEST = ("all_gather", "torch.int64", 3)
@@ -430,7 +431,7 @@ def test_edge_values_that_are_valid_are_accepted(ranks2):
 
 
 def test_timeout_normalises_to_seconds_inf_or_the_default():
-    assert _args.timeout(None, "f") is None  # the default: a bound per collective (tests/test_traps.py)
+    assert _args.timeout(None, "f") is None  # the default: a bound per collective (tests/core/test_rank_faults.py)
     assert _args.timeout(math.inf, "f") == math.inf
     assert _args.timeout(1e10, "f") == math.inf  # beyond what c10d's clock can add: wait without a limit
     assert _args.timeout(2, "f") == 2.0 and isinstance(_args.timeout(2, "f"), float)
@@ -480,3 +481,23 @@ def test_a_missing_private_api_names_the_package_its_version_and_what_is_missing
                         "renamed")
     absent = missing("no-such-package-zb", "its API")
     assert absent.version is None and "no-such-package-zb (not installed)" in str(absent)
+
+
+def _inference_buffer(rank, world):
+    model = nn.Module()
+    with torch.inference_mode():
+        frozen = torch.full((3,), float(rank))
+    model.register_buffer("table", frozen)
+    model.register_buffer("plain", torch.full((2,), float(rank)))
+    errors = messages({"broadcast": lambda: zb.broadcast_buffers(model),
+                       "average": lambda: zb.sync_buffers(model, "average")}, zb.InvalidArgumentError)
+    return errors, model.table.clone(), model.plain.clone()
+
+
+def test_an_inference_tensor_buffer_is_refused_on_every_rank_before_any_data_moves(ranks):
+    out = ranks.run(_inference_buffer, timeout=60)
+    for r, (errors, table, plain) in enumerate(out):
+        for message in errors.values():
+            assert message is not None and "inference tensors" in message and "'table'" in message, message
+        assert errors == out[0][0]
+        assert torch.equal(table, torch.full((3,), float(r))) and torch.equal(plain, torch.full((2,), float(r)))

@@ -1,17 +1,31 @@
-"""Rank faults: a peer that dies (os._exit) or stalls mid-call makes the survivors raise CollectiveError
-within the timeout, and no buffer is left half-written; a rank that fails locally (no memory, a packing error)
-makes every rank raise SyncAbortedError, with nothing written anywhere.
+"""Rank faults: whatever one rank suffers, every rank ends the call the same way and no buffer is left half-written.
 
-Faults are injected on one rank by wrapping the real torch.distributed collectives *on that rank only*:
-just before its ``at``-th collective call of the sync it exits or blocks for good (``at=2`` is right after
-the structure check; the digest all_gather is collective 1). The harness's ``allow_dead`` returns the
-survivors' results, kills the faulty rank if it still runs and rebuilds the pool (its process group is
-broken). gloo notices a dead peer at once (connection reset); only the timeout ends a stall.
-"""
+- A peer that dies (os._exit) or stalls mid-call, or never calls: the survivors raise CollectiveError within the
+  timeout (under the default ``timeout=None``, a bound per collective), nothing changed.
+- A rank that fails locally (no memory, a packing error, a foreign exception or KeyboardInterrupt after a
+  collective went out): every rank raises SyncAbortedError naming it, nothing written anywhere; a rank that cannot
+  allocate its scratch never enters the data collectives.
+- One faulty rank per phase: for every public function that syncs, a failure raised on one rank at each phase of
+  its transaction ([Note: the transaction]: PREPARE, before the vote; EXCHANGE, in the exchange; AFTER, the
+  post-write hooks, where a call has them) makes every rank raise the same typed error naming that rank, within
+  seconds under ``timeout=None``, with nothing changed anywhere (every buffer and parameter, the module's class),
+  and the next call works.
+
+Dying and stalling peers are injected by wrapping the real torch.distributed collectives *on that rank only*: just
+before its ``at``-th collective call of the sync it exits or blocks for good (``at=2`` is right after the structure
+check; the digest all_gather is collective 1). The harness's ``allow_dead`` returns the survivors' results, kills the
+faulty rank if it still runs and rebuilds the pool (its process group is broken). gloo notices a dead peer at once
+(connection reset); only the timeout ends a stall. Phase failures are injected by replacing
+``zero_buffers._core.transaction.reached`` on the faulty rank only: every transaction calls it at the start of each
+fallible phase's work; the faulty rank is the last (a receiver) and, separately, rank 0 (the source of every
+broadcast). Real gloo ranks at world 2 and 4."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 
@@ -21,7 +35,17 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from tests.helpers import bitwise_equal, scramble
+from tests.helpers import (
+    bitwise_equal,
+    bn_net,
+    buffers,
+    log_collectives,
+    restore_collectives,
+    same_state,
+    scramble,
+)
+from zero_buffers._core import args as _args, wire as _wire
+from zero_buffers.training import rules as rules_mod
 
 WRAPPED = ("all_gather", "broadcast", "all_reduce")
 # gloo's words for a vanished peer: "Connection reset by peer", "Connection closed by peer", or a write's
@@ -394,3 +418,304 @@ def test_a_keyboard_interrupt_while_receiving_is_a_vote_like_any_other_failure(r
         assert err is not None and err[0] == "SyncAbortedError", (rank, err)
         assert "receiving failed on rank 1 (rank 1: KeyboardInterrupt" in err[1] and unchanged, err
     assert out[1][0][2] == "KeyboardInterrupt"
+
+
+# ---- a failure before the vote keeps every rank out of the data ----------------------------------------------------
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+
+def _cannot_allocate(rank, world):
+    import zero_buffers._core.wire as wire
+
+    model = Net()
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        model.bn.running_mean.normal_()
+    before = buffers(model)
+    real = wire.receive_space
+
+    def out_of_memory(buckets):
+        raise MemoryError("cannot allocate the receive space (simulated)")
+
+    log: list = []
+    if rank == world - 1:
+        wire.receive_space = out_of_memory
+    collectives = log_collectives(log)
+    try:
+        zb.broadcast_buffers(model)
+        caught = None
+    except zb.SyncAbortedError as e:
+        caught = (str(e), e.ranks)
+    finally:
+        restore_collectives(collectives)
+        wire.receive_space = real
+    return caught, same_state(before, buffers(model)), [entry[0] for entry in log]
+
+
+@pytest.mark.stack
+def test_a_rank_that_cannot_allocate_its_scratch_never_enters_the_broadcast(ranks):
+    out = ranks.run(_cannot_allocate, timeout=60)
+    last = ranks.world_size - 1
+    for caught, unchanged, log in out:
+        assert caught is not None and caught[1] == (last,), caught
+        assert f"a rank could not take part on rank {last}" in caught[0] and "MemoryError" in caught[0]
+        assert unchanged
+        assert "broadcast" not in log  # the vote came first: no data moved on any rank
+
+
+# ---- a call on some ranks only: the default bound ends it with a clear error -----------------------------------------
+def _only_rank0_calls(rank, world, fn):
+    """The ``if is_main_process: recompute_bn_stats(...)`` habit, with the default timeout (shortened by env)."""
+    os.environ["ZERO_BUFFERS_TIMEOUT"] = "2"
+    try:
+        if rank != 0:
+            return None
+        model = bn_net()
+        started = time.monotonic()
+        with pytest.raises(zb.CollectiveError) as info:
+            if fn == "recompute":
+                zb.recompute_bn_stats(model, [torch.randn(8, 3)])
+            else:
+                zb.average_bn_stats(model)
+        return str(info.value), time.monotonic() - started
+    finally:
+        del os.environ["ZERO_BUFFERS_TIMEOUT"]
+
+
+@pytest.mark.parametrize("fn", ["recompute", "average"])
+def test_a_call_on_rank_0_only_ends_with_a_clear_error_under_the_default_timeout(ranks2, fn):
+    message, elapsed = ranks2.run(_only_rank0_calls, fn, allow_dead=[1], timeout=60)[0]
+    assert "most likely they never called" in message and "is_main_process" in message
+    assert "within 2 s (the default bound on each collective)" in message
+    assert 1.5 < elapsed < 20
+
+
+def test_the_default_bound_is_five_minutes_per_collective_and_explicit_timeouts_still_bound_the_call(monkeypatch):
+    monkeypatch.delenv("ZERO_BUFFERS_TIMEOUT", raising=False)
+    default = _wire.Deadline(_args.timeout(None, "f"))
+    assert default.default and default.remaining().total_seconds() == _args.DEFAULT_WAIT_S == 300
+    time.sleep(0.05)
+    assert default.remaining().total_seconds() == 300  # per collective, not for the whole call
+    explicit = _wire.Deadline(_args.timeout(10, "f"))
+    time.sleep(0.05)
+    assert not explicit.default and explicit.remaining().total_seconds() < 10
+    assert _wire.Deadline(_args.timeout(float("inf"), "f")).remaining() is None
+    monkeypatch.setenv("ZERO_BUFFERS_TIMEOUT", "inf")
+    assert _wire.Deadline(None).remaining() is None
+    monkeypatch.setenv("ZERO_BUFFERS_TIMEOUT", "soon")
+    with pytest.raises(zb.InvalidArgumentError, match="ZERO_BUFFERS_TIMEOUT"):
+        _wire.Deadline(None)
+
+
+# ---- one faulty rank per phase of the transaction ([Note: the transaction]) ------------------------------------------
+class Hooked(nn.Module):
+    """An EMA codebook whose registered rules recompute a derived buffer after every sync (an after_sync hook)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("derived", torch.zeros(4))
+
+    def refresh(self) -> None:
+        self.derived.copy_(self.ema * 2)
+
+
+class PhaseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.codebook = Hooked()
+        self.register_buffer("table", torch.zeros(6))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x)).mean((2, 3))
+
+
+def _phase_model(rank: int) -> PhaseNet:
+    torch.manual_seed(0)
+    model = scramble(PhaseNet(), rank)
+    with torch.no_grad():
+        model.bn.num_batches_tracked.fill_(rank + 1)
+    return model
+
+
+def _images(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(2, 3, 4, 4, generator=g) + rank for _ in range(2)]
+
+
+def _keep_in_sync(model: nn.Module, rank: int) -> None:
+    handle = zb.keep_in_sync(model, rules={"codebook.ema": "mean"})
+    try:
+        handle.sync()
+    finally:
+        handle.remove()
+
+
+def _callback(model: nn.Module, rank: int) -> None:
+    from zero_buffers.integrations._sync import StepSync
+    StepSync.checked("BufferSyncCallback", "average", None, False, False, 0, None).sync(model, 1)
+
+
+def _broadcast_only(model: nn.Module, rank: int) -> None:
+    handle = zb.keep_in_sync(model, rules={"*": "broadcast"})  # a plan that only broadcasts
+    try:
+        handle.sync()
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _accelerator(model: nn.Module, rank: int):
+    """A real DDP Accelerator on CPU around the model (its buffers are not broadcast at construction); the call saves
+    with the save hook in place; Accelerate's state and the environment are put back afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    folder = tempfile.mkdtemp(prefix=f"zb_fault{rank}_")
+    try:
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        accelerator.prepare(model)
+
+        def save(m: nn.Module, r: int) -> None:
+            target = os.path.join(folder, "ckpt")
+            with zb.sync_buffers_on_save(accelerator, "average"):
+                accelerator.save_state(target)
+            shutil.rmtree(target, ignore_errors=True)
+        yield save
+        assert not os.path.exists(os.path.join(folder, "ckpt"))  # a failed sync wrote no checkpoint
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        AcceleratorState._reset_state(True)
+        os.environ.clear()
+        os.environ.update(env)
+
+
+@contextlib.contextmanager
+def _plain(call):
+    yield call
+
+
+def _gathered(model: nn.Module, rank: int) -> None:
+    with zb.GatheredParametersAndBuffers(model, modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                model.table.fill_(7.0)
+
+
+def _report_of_differing(model: nn.Module, rank: int) -> None:
+    zb.buffer_report(model)  # the model's buffers differ across ranks: the differing path, every collective of it
+
+
+PHASE_CALLS = {  # name -> (call(model, rank), the phases it has, the error every rank raises)
+    "buffer_report": (_report_of_differing, ("prepare", "exchange"), zb.SyncAbortedError),
+    "assert_buffers_in_sync": (lambda m, r: zb.assert_buffers_in_sync(m), ("prepare", "exchange"),
+                               zb.SyncAbortedError),
+    "broadcast_buffers": (lambda m, r: zb.broadcast_buffers(m), ("prepare", "exchange"), zb.SyncAbortedError),
+    "average_bn_stats": (lambda m, r: zb.average_bn_stats(m), ("prepare", "exchange"), zb.SyncAbortedError),
+    "recompute_bn_stats": (lambda m, r: zb.recompute_bn_stats(m, _images(r)), ("prepare", "exchange"),
+                           zb.RecomputeError),
+    "sync_buffers(average)": (lambda m, r: zb.sync_buffers(m, "average"), ("prepare", "exchange"),
+                              zb.SyncAbortedError),
+    "sync_buffers(broadcast)": (lambda m, r: zb.sync_buffers(m, "broadcast"), ("prepare", "exchange"),
+                                zb.SyncAbortedError),
+    "sync_buffers(recompute)": (lambda m, r: zb.sync_buffers(m, "recompute", data=_images(r)),
+                                ("prepare", "exchange"), zb.SyncAbortedError),
+    "sync_buffers(rules)": (lambda m, r: zb.sync_buffers(m, rules={"codebook.ema": "mean"}),
+                            ("prepare", "exchange", "after"), zb.SyncAbortedError),
+    "keep_in_sync": (_keep_in_sync, ("prepare", "exchange", "after"), zb.SyncAbortedError),
+    "keep_in_sync(broadcast only)": (_broadcast_only, ("prepare", "exchange"), zb.SyncAbortedError),
+    "sync_buffers_on_save(Accelerator)": (_accelerator, ("prepare", "exchange", "after"), zb.SyncAbortedError),
+    "BufferSyncCallback": (_callback, ("prepare", "exchange", "after"), zb.SyncAbortedError),
+    "frozen_replica": (lambda m, r: zb.frozen_replica(m), ("prepare", "exchange"), zb.SyncAbortedError),
+    "GatheredParametersAndBuffers": (_gathered, ("prepare", "exchange"), zb.SyncAbortedError),
+}
+
+
+def _state(model: nn.Module) -> dict:
+    out = {f"b:{n}": b.detach().clone() for n, b in model.named_buffers()}
+    out.update({f"p:{n}": p.detach().clone() for n, p in model.named_parameters()})
+    out["class"] = type(model).__name__ + "/" + type(model).__module__
+    return out
+
+
+def _same_values(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] == b[k] if isinstance(a[k], str) else bitwise_equal(a[k], b[k])
+                                        for k in a)
+
+
+def _fault_case(rank, world, name, phase, faulty):
+    from zero_buffers._core import transaction as _transaction
+    call, _, error = PHASE_CALLS[name]
+    zb.register_rules(Hooked, {"ema": "mean", "derived": "local"}, after_sync=Hooked.refresh)
+    real = _transaction.reached
+    try:
+        model = _phase_model(rank)
+        with (call(model, rank) if name in SETUP else _plain(call)) as run:
+            return _faulty_call(rank, run, model, phase, faulty, error, real)
+    finally:
+        _transaction.reached = real
+        rules_mod._REGISTRY.pop(Hooked, None)
+
+
+SETUP = {"sync_buffers_on_save(Accelerator)"}  # calls that build their target first (a context manager)
+
+
+def _faulty_call(rank, call, model, phase, faulty, error, real):
+    """``call`` on this rank, failing at ``phase`` here if this is the faulty rank; then once more, fault-free."""
+    from zero_buffers._core import transaction as _transaction
+    before = _state(model)
+
+    def fail(at: _transaction.Phase, what: str) -> None:
+        if at.value == phase:
+            raise RuntimeError(f"injected at {phase} on rank {rank}")
+        real(at, what)
+    if rank == faulty:
+        _transaction.reached = fail
+    started = time.monotonic()
+    try:
+        call(model, rank)
+        raised = None
+    except BaseException as e:  # noqa: BLE001 - compared across ranks below
+        raised = (type(e).__name__, isinstance(e, error), str(e), getattr(e, "ranks", None))
+    seconds = time.monotonic() - started
+    _transaction.reached = real
+    unchanged = _same_values(before, _state(model))
+    try:
+        call(model, rank)  # and the next call works
+    except zb.BuffersOutOfSyncError:
+        pass  # assert_buffers_in_sync on buffers that differ: what it is for
+    return {"raised": raised, "seconds": seconds, "unchanged": unchanged, "after": _state(model)}
+
+
+REPORTS = ("buffer_report", "assert_buffers_in_sync")  # they change nothing, so the call after syncs nothing
+CASES = [(name, phase) for name, (_, phases, _) in PHASE_CALLS.items() for phase in phases]
+
+
+@pytest.mark.parametrize(("name", "phase"), CASES, ids=[f"{n}-{p}" for n, p in CASES])
+def test_a_failure_on_one_rank_at_each_phase_raises_the_same_error_everywhere_and_changes_nothing(ranks, name,
+                                                                                                    phase):
+    world = ranks.world_size
+    for faulty in sorted({world - 1, 0}):
+        out = ranks.run(_fault_case, name, phase, faulty, timeout=90)
+        first = out[0]["raised"]
+        for r, o in enumerate(out):
+            assert o["raised"] is not None, (r, name, phase, "returned normally")
+            typ, typed, message, ranks_ = o["raised"]
+            assert typed, (r, typ, message)  # the documented error class (or a subclass)
+            assert typ == first[0] and message.split(": ", 1)[-1] == first[2].split(": ", 1)[-1], (r, o["raised"])
+            assert f"injected at {phase} on rank {faulty}" in message, message  # names the rank and its reason
+            assert ranks_ == (faulty,), ranks_
+            assert o["seconds"] < 20, o["seconds"]  # nobody waited for a deadline
+            assert o["unchanged"], (r, name, phase)  # every buffer, parameter and the class as before
+        for o in out[1:] if name not in REPORTS else ():  # the call after it synced: every rank's statistics alike
+            assert all(bitwise_equal(v, out[0]["after"][k]) for k, v in o["after"].items() if k.startswith("b:bn."))
