@@ -31,7 +31,6 @@ def timm_distribute_bn(model: nn.Module, world: int) -> None:
 
 def bench_bn(ctx: dict) -> list[dict]:
     """Section 4: average_bn_stats vs a timm-style per-tensor all-reduce loop; recompute_bn_stats throughput."""
-
     rows = []
     blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 23, 3)
     model = scrambled(lambda: resnet_bn_net(blocks), ctx["rank"], ctx["device"])

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from harness import buffer_sets, check_equal_to_src, raw_flat, scrambled, timed_together
+from harness import buffer_sets, check_equal_to_src, flat_by_dtype, raw_flat, scrambled, timed_together
 
 
 def many_buffers(n: int) -> nn.Module:
@@ -64,8 +64,7 @@ def bench_broadcast(ctx: dict) -> list[dict]:
         model = scrambled(builder, rank, dev)
         tensors = [b for b in model.buffers()]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
-                 for d in dict.fromkeys(t.dtype for t in tensors)]
+        flats = flat_by_dtype(tensors)
         res = {"set": name, "buffers": len(tensors), "bytes": nbytes}
         methods = {"per_buffer_loop": lambda: per_buffer_loop(tensors, 0),
                    "torch_broadcast_coalesced": lambda: torch_broadcast_coalesced(tensors, 0),

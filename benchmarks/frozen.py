@@ -17,33 +17,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from harness import timed_together
+from harness import init_deepspeed, timed_together, tokenizer, zero3_config
 
 
 def bench_frozen(ctx: dict) -> list[dict]:
     """Section 3: per-call forward of a frozen module: GatheredParameters around ZeRO-3 vs frozen_replica vs plain."""
-    import deepspeed
-
-    if ctx["device"].type == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    deepspeed = init_deepspeed(ctx["device"])
+    cfg = zero3_config()
     width = 8 if ctx["quick"] else 32
 
-    def tokenizer() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Conv3d(3, width, 3, padding=1), nn.BatchNorm3d(width), nn.ReLU(),
-                             nn.Conv3d(width, width, 3, padding=1, stride=2), nn.BatchNorm3d(width)).eval()
-
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        partitioned = tokenizer()
+        partitioned = tokenizer(width)
     with deepspeed.zero.Init(config_dict_or_path=cfg):
-        replica = zb.frozen_replica(tokenizer())
-    plain = tokenizer().to(ctx["device"])
+        replica = zb.frozen_replica(tokenizer(width))
+    plain = tokenizer(width).to(ctx["device"])
     params = list(partitioned.parameters())
 
     def gathered(x: torch.Tensor) -> torch.Tensor:

@@ -16,24 +16,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from harness import resnet_bn_net, scrambled, timed_together
+from harness import init_deepspeed, resnet_bn_net, scrambled, timed_together, tokenizer, zero3_config
 
 
 def bench_fsdp2(ctx: dict) -> list[dict]:
     """Section 10: FSDP2. broadcast_buffers / buffer_report on ResNet-50's BatchNorm layers as a plain (DDP) module,
     under fully_shard and under ZeRO-3 (zero.Init), side by side; then a frozen module's forward under fully_shard
     (all-gathers per forward) against frozen_replica of it and the plain module."""
-    import deepspeed
     from torch.distributed.fsdp import fully_shard
 
-
-    if ctx["device"].type == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    deepspeed = init_deepspeed(ctx["device"])
     blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 6, 3)
 
     def bn_net() -> nn.Module:
@@ -44,8 +39,7 @@ def bench_fsdp2(ctx: dict) -> list[dict]:
     for layer in sharded:
         fully_shard(layer)
     fully_shard(sharded)
-    with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
-                                                  "zero_optimization": {"stage": 3}}):
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
         zero3 = resnet_bn_net(blocks).to(ctx["device"])
     rows = []
     for what, call in (("broadcast_buffers", zb.broadcast_buffers), ("buffer_report", zb.buffer_report)):
@@ -58,17 +52,12 @@ def bench_fsdp2(ctx: dict) -> list[dict]:
                    f"fully_shard/zero3 {rows[-1]['fsdp2_over_zero3']:.2f}")
     width = 8 if ctx["quick"] else 32
 
-    def tokenizer() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Conv3d(3, width, 3, padding=1), nn.BatchNorm3d(width), nn.ReLU(),
-                             nn.Conv3d(width, width, 3, padding=1, stride=2), nn.BatchNorm3d(width)).eval()
-
-    frozen_plain = tokenizer().to(ctx["device"])
-    under_fsdp2 = tokenizer().to(ctx["device"])
+    frozen_plain = tokenizer(width).to(ctx["device"])
+    under_fsdp2 = tokenizer(width).to(ctx["device"])
     for layer in (under_fsdp2[0], under_fsdp2[3]):
         fully_shard(layer)
     fully_shard(under_fsdp2)
-    replica = tokenizer().to(ctx["device"])
+    replica = tokenizer(width).to(ctx["device"])
     for layer in (replica[0], replica[3]):
         fully_shard(layer)
     fully_shard(replica)

@@ -209,18 +209,25 @@ def pyplot() -> Any:
 
 
 # --------------------------------------------------------------------------------------------------
-# buffer sets of real architectures (only the buffer-carrying layers are built), shared by several sections
+# what several sections build: buffer sets of real architectures (only the buffer-carrying layers), small models,
+# DeepSpeed's setup
 # --------------------------------------------------------------------------------------------------
-def resnet_bn_net(blocks: tuple[int, ...]) -> nn.Module:
-    """The BatchNorm layers of a torchvision-style bottleneck ResNet (3 buffers each)."""
-    bns: list[nn.Module] = [nn.BatchNorm2d(64)]
+def resnet_bn_layers(blocks: tuple[int, ...]) -> list[tuple[str, int]]:
+    """(name, channels) of a torchvision-style bottleneck ResNet's BatchNorm layers, in its order; ``blocks``: the
+    bottleneck blocks per stage ((3, 4, 6, 3): ResNet-50's 53 layers)."""
+    out = [("bn1", 64)]
     for stage, n in enumerate(blocks):
         width = 64 * 2 ** stage
         for b in range(n):
-            bns += [nn.BatchNorm2d(width), nn.BatchNorm2d(width), nn.BatchNorm2d(width * 4)]
+            out += [(f"layer{stage + 1}.{b}.bn{i + 1}", c) for i, c in enumerate((width, width, width * 4))]
             if b == 0:
-                bns.append(nn.BatchNorm2d(width * 4))  # downsample branch
-    return nn.Sequential(*bns)
+                out.append((f"layer{stage + 1}.{b}.downsample.1", width * 4))  # downsample branch
+    return out
+
+
+def resnet_bn_net(blocks: tuple[int, ...]) -> nn.Module:
+    """The BatchNorm layers of a torchvision-style bottleneck ResNet (3 buffers each)."""
+    return nn.Sequential(*[nn.BatchNorm2d(c) for _, c in resnet_bn_layers(blocks)])
 
 
 class ViTBuffers(nn.Module):
@@ -268,6 +275,35 @@ def check_equal_to_src(model: nn.Module) -> None:
     report = zb.buffer_report(model)
     if not report.in_sync:
         raise AssertionError(f"not in sync after broadcast:\n{report.format(only_out_of_sync=True, limit=5)}")
+
+
+def flat_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors' values packed into one flat tensor per dtype (in the order the dtypes first appear)."""
+    return [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
+            for d in dict.fromkeys(t.dtype for t in tensors)]
+
+
+def tokenizer(width: int) -> nn.Module:
+    """A frozen Conv3d video tokenizer with BatchNorm (sections frozen and fsdp2): seeded, in eval mode."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(3, width, 3, padding=1), nn.BatchNorm3d(width), nn.ReLU(),
+                         nn.Conv3d(width, width, 3, padding=1, stride=2), nn.BatchNorm3d(width)).eval()
+
+
+def init_deepspeed(device: torch.device) -> Any:
+    """The ``deepspeed`` module with its distributed state set up on the process group's backend (on CPU, its
+    shared-memory communication op marked unavailable first)."""
+    import deepspeed
+
+    if device.type == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def zero3_config() -> dict:
+    """A DeepSpeed config for ``zero.Init`` with ZeRO stage 3 (a new dict each call)."""
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
-from harness import raw_flat, resnet_bn_net, scrambled, timed_together
+from harness import flat_by_dtype, raw_flat, resnet_bn_net, scrambled, timed_together
 
 
 class Codebooks(nn.Module):
@@ -64,7 +64,6 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
     forward, steps alternating."""
     from transformers import ResNetConfig, ResNetModel
 
-
     rows = []
     blocks = (1, 1, 1, 1) if ctx["quick"] else (3, 4, 6, 3)
     cases = (("ResNet-50 BatchNorm, every buffer 'broadcast'", lambda: resnet_bn_net(blocks),
@@ -76,8 +75,7 @@ def bench_keep_in_sync(ctx: dict) -> list[dict]:
         handle = zb.keep_in_sync(model, rules=rules)
         handle.sync()  # the first sync agrees on the structure; the steady state is what follows
         tensors = list(model.buffers())
-        flats = [torch.cat([t.reshape(-1) for t in tensors if t.dtype == d])
-                 for d in dict.fromkeys(t.dtype for t in tensors)]
+        flats = flat_by_dtype(tensors)
         vote = torch.zeros(2 * ctx["world"], dtype=torch.float64, device=ctx["device"])  # [failed, changed] per rank
         fns = {"keep_in_sync": handle.sync, "raw_flat_broadcast": lambda: raw_flat(flats, 0),
                "copy_floor": copy_floor(tensors, [f.clone() for f in flats], 0),

@@ -38,7 +38,6 @@ def bench_memory(ctx: dict) -> list[dict]:
     size for an 8 MiB differing buffer, contiguous and strided, for buffer_report and the all-gather; (b)
     broadcast_buffers of buffers the source must pack (transposed views), with the 250 MiB bucket cap, a 64 MiB cap
     and no cap."""
-
     rows = []
     for mb in ((4,) if ctx["quick"] else (32, 128)):
         model = nn.Module()
@@ -75,7 +74,6 @@ def report_memory_ratios(ctx: dict, mb: int = 8) -> list[dict]:
     (same shape, transposed storage): each rank's peak extra memory over the buffer's size, side by side, for
     buffer_report and the all-gather (contiguous only: gloo gathers contiguous tensors). Measured after the
     section's first report, so a process's one-time pages (about 5 MiB on the first call) are not counted."""
-
     rows = []
     for layout in ("contiguous", "strided"):
         values = torch.full((512, mb * 512), float(ctx["rank"]))

@@ -40,7 +40,6 @@ def bench_recompute_modes(ctx: dict) -> list[dict]:
     layer-by-layer exact variant (one pass per BatchNorm layer; the repro's implementation, not shipped)."""
     from transformers import ResNetConfig, ResNetModel
 
-
     widths = [16, 32, 64, 128] if ctx["quick"] else [64, 128, 256, 512]
     torch.manual_seed(0)
     model = ResNetModel(ResNetConfig(embedding_size=widths[0], hidden_sizes=widths, depths=[3, 4, 6, 3],
