@@ -15,10 +15,6 @@ This file is the runner: ``SECTIONS`` names each section's function, in the file
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -80,11 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("device", measured["device"])
                 result["results"][section] = measured["results"][section]
         all_results.append(result)
-    meta = {"when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores"
-                       + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+    meta = {"when": harness.utc_now(),
+            "machine": harness.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
             "torch": torch.__version__, "quick": args.quick, "seconds": round(time.perf_counter() - started, 1)}
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "runs": all_results}, indent=1))
+    harness.write_json(args.out / "results.json", {"meta": meta, "runs": all_results})
     md = harness.markdown(all_results, meta)
     (args.out / "results.md").write_text(md)
     plotted = plot(all_results, args.out / "scaling.png")

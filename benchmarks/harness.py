@@ -7,7 +7,9 @@
   slowest rank's wall time for one call, the ranks starting each call together after a barrier, the methods of a row
   taking turns call by call so that drift on a shared machine hits them alike.
 - ``peaks_by_rank``: every rank's peak extra resident memory for one call (section ``memory``).
-- ``markdown``: ``results.md`` from the results (times in ms, ratios as x); ``pyplot``: matplotlib without a display.
+- the writers: ``markdown`` (``results.md`` from the results: times in ms, ratios as x), ``md_table``,
+  ``write_json``, ``utc_now`` and ``machine`` (the run's metadata), ``pyplot`` (matplotlib without a display); also
+  used by ``doctor.py`` and ``owners.py``.
 - the buffer sets and small models several sections build, and the alternatives several sections compare against.
 
 It measures nothing of its own and writes nothing: ``bench.py`` writes ``results.json``, ``results.md`` and the
@@ -20,6 +22,7 @@ import datetime
 import gc
 import json
 import os
+import platform
 import socket
 import statistics
 import sys
@@ -64,8 +67,8 @@ def _rank_main(rank: int, world: int, store: str, args: argparse.Namespace, out:
         log(f"section {section} ...")
         results[section] = sections[section](ctx)
     if rank == 0:
-        Path(out).write_text(json.dumps({"world": world, "backend": dist.get_backend(), "device": device.type,
-                                         "results": results}, indent=1))
+        write_json(Path(out), {"world": world, "backend": dist.get_backend(), "device": device.type,
+                               "results": results})
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -159,6 +162,44 @@ def peaks_by_rank(ctx: dict, fn: Callable[[], Any]) -> list[float]:
 # --------------------------------------------------------------------------------------------------
 # writers
 # --------------------------------------------------------------------------------------------------
+def utc_now() -> str:
+    """When a run ended, as every results file of the benchmarks gives it."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def machine() -> str:
+    """The machine, as the results files give it: architecture and CPU cores."""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores"
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON, indented by one, the form of every results file."""
+    path.write_text(json.dumps(data, indent=1))
+
+
+def md_table(keys: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines: the header ``keys``, the separator, then one line of cells per row."""
+    return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _cell(key: str, v: Any) -> str:
+    """A value of results.md: by its column's name, a float is a relative difference, a percentage, a ratio, MiB, a
+    rate or else seconds shown in ms."""
+    if isinstance(v, float) and "rel_diff" in key:
+        return f"{v:.2e}"
+    if isinstance(v, float) and key.endswith("_pct"):
+        return f"{v:+.1f} %"
+    if isinstance(v, float) and any(w in key for w in ("speedup", "ratio", "over")):
+        return f"{v:.2f}x"
+    if isinstance(v, float) and "MB" in key:
+        return f"{v:.0f} MiB"
+    if isinstance(v, float) and "per_s" in key:
+        return f"{v:,.0f}"
+    if isinstance(v, float):
+        return f"{v * 1e3:.3f} ms"
+    return str(v)
+
+
 def markdown(all_results: list[dict], meta: dict) -> str:
     """The results as Markdown tables (times in ms; ratios as x)."""
     lines = ["# zero_buffers benchmarks", "", f"{meta['when']} on {meta['machine']}; torch {meta['torch']}; "
@@ -173,27 +214,7 @@ def markdown(all_results: list[dict], meta: dict) -> str:
             keys = list(rows[0].keys())
             for r in rows[1:]:
                 keys += [k for k in r if k not in keys]
-            lines.append("| " + " | ".join(keys) + " |")
-            lines.append("|" + "---|" * len(keys))
-            for r in rows:
-                cells = []
-                for k in keys:
-                    v = r.get(k, "")
-                    if isinstance(v, float) and "rel_diff" in k:
-                        cells.append(f"{v:.2e}")
-                    elif isinstance(v, float) and k.endswith("_pct"):
-                        cells.append(f"{v:+.1f} %")
-                    elif isinstance(v, float) and any(w in k for w in ("speedup", "ratio", "over")):
-                        cells.append(f"{v:.2f}x")
-                    elif isinstance(v, float) and "MB" in k:
-                        cells.append(f"{v:.0f} MiB")
-                    elif isinstance(v, float) and "per_s" in k:
-                        cells.append(f"{v:,.0f}")
-                    elif isinstance(v, float):
-                        cells.append(f"{v * 1e3:.3f} ms")
-                    else:
-                        cells.append(str(v))
-                lines.append("| " + " | ".join(cells) + " |")
+            lines += md_table(keys, [[_cell(k, r.get(k, "")) for k in keys] for r in rows])
         lines.append("")
     return "\n".join(lines)
 
