@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from harness import pyplot, resnet_bn_layers, write_json
+
 _CHILD = r"""
 import json, re, sys, threading, time
 peak = [0]
@@ -79,14 +81,7 @@ ZERO3_METHODS = ("naive_zero3", "inspect_zero3")
 
 def resnet50_bn() -> list[tuple[str, int]]:
     """(name, channels) of ResNet-50's 53 BatchNorm layers."""
-    out = [("bn1", 64)]
-    for stage, blocks in enumerate((3, 4, 6, 3)):
-        width = 64 * 2 ** stage
-        for b in range(blocks):
-            out += [(f"layer{stage + 1}.{b}.bn{i + 1}", c) for i, c in enumerate((width, width, width * 4))]
-            if b == 0:
-                out.append((f"layer{stage + 1}.{b}.downsample.1", width * 4))
-    return out
+    return resnet_bn_layers((3, 4, 6, 3))
 
 
 def bn_buffers(rank: int, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -180,7 +175,7 @@ def main() -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpus": __import__("os").cpu_count(), "repeats": repeats, **setup}
-    (out / "doctor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(out / "doctor.json", {"meta": meta, "rows": rows})
     lines = [f"# checkpoint doctor vs torch.load of every file ({meta['date']})", "",
              f"{setup['files']} rank files, {setup['total_MiB']:.0f} MiB in all ({mib} MiB of weights each, "
              f"ResNet-50's {setup['bn_layers']} BatchNorm layers diverged); torch {meta['torch']}, "
@@ -201,10 +196,7 @@ def main() -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     names = [r["method"] for r in rows]
     a.bar(names, [r["seconds"] for r in rows], color="tab:blue")

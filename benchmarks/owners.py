@@ -21,11 +21,9 @@ Writes ``results.json`` and ``results.md`` into the output folder (default ``ben
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+import zero_buffers as zb
+from harness import init_deepspeed, machine, md_table, utc_now, write_json, zero3_config
+from zero_buffers.zero3 import _owners
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None) -> float:
@@ -63,14 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(prefix="zb_owners_"), 1), rank=0,
                             world_size=1)
-    import deepspeed
-
-    import zero_buffers as zb
-    from zero_buffers.zero3 import _owners
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    deepspeed = init_deepspeed(torch.device("cpu"))  # on the gloo group just made
+    config = zero3_config()
     blocks = 20 if args.quick else 200
     repeats = 3 if args.quick else args.repeats
     with deepspeed.zero.Init(config_dict_or_path=config):
@@ -139,21 +135,18 @@ def main(argv: list[str] | None = None) -> int:
             row[f"per-module walk, {len(walk_ids)} calls, searching each"] = median_seconds(walk_uncached, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    meta = {"when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores", "python": sys.version.split()[0],
+    meta = {"when": utc_now(), "machine": machine(), "python": sys.version.split()[0],
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "quick": args.quick,
             "model": f"{blocks} x (Linear, BatchNorm1d) under zero.Init ({len(zero)} ZeRO parameters)"}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    write_json(args.out / "results.json", {"meta": meta, "rows": rows})
     keys = list(rows[0])
     lines = ["# Finding the owners of a parameter list", "",
              f"{meta['when']} on {meta['machine']}; Python {meta['python']}, torch {meta['torch']}, DeepSpeed "
              f"{meta['deepspeed']}; {meta['model']}; median of {repeats} (the walks: of {max(1, repeats // 2)}, "
              f"searching each: one run){' (quick mode: claims nothing)' if args.quick else ''}. Seconds.", "",
-             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for r in rows:
-        lines.append("| " + " | ".join(f"{r[k]:.4f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
-                                       for k in keys) + " |")
+             *md_table(keys, [[f"{r[k]:.4f}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
+                              for r in rows])]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     dist.destroy_process_group()
