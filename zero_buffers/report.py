@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._compat import torch as torch_compat
 from ._core import (
     args as _args,
     compare as _compare,
@@ -170,15 +171,18 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
         return report
     # The differing path: a rank that fails from here on still takes part in every collective (zeros where its
     # values would be) and says so in the last one, so every rank raises the same error instead of waiting for it.
-    mine_digests = [0] * len(tensors)
-    try:
+    mine_digests, slabs = [0] * len(tensors), {}
+    try:  # the digests, and every scratch the comparison needs (one slice per device), before the next collective
         _transaction.reached(_transaction.Phase.EXCHANGE, fn)
         mine_digests = _digest.per_tensor(tensors, known)
-    except BaseException as e:  # noqa: BLE001 - voted on in the last collective
+        slabs = _slabs(tensors)
+    except BaseException as e:  # noqa: BLE001 - voted on in the digests' all_gather
         failure = e
-    digests = _wire.all_gather_values(g, mine_digests, deadline, fn)
+    digests = _wire.all_gather_values(g, [*mine_digests, int(failure is not None)], deadline, fn)
+    _transaction.abort_if_any(g, [d[-1] for d in digests], failure, deadline, fn, "hashing the buffers failed",
+                              "nothing was changed")
     differ = [i for i in range(len(entries)) if any(d[i] != digests[0][i] for d in digests)]
-    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn)
+    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn, slabs)
     failure = failure or compare_failure
     untrained = [False] * len(differ)
     try:
@@ -208,14 +212,30 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
                         training=bool(table[0][-2]))
 
 
+def _slabs(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+    """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once)."""
+    need: dict[torch.device, int] = {}
+    for t in tensors:
+        need[t.device] = max(need.get(t.device, 0), min(t.numel() * t.element_size(), SLICE_BYTES))
+    return {d: torch.empty(-(-n // 64) * 64 + 64, dtype=torch.uint8, device=d) for d, n in need.items() if n}
+
+
+def _in_slab(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over the start of ``slab`` (no allocation)."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return slab[:n].view(dtype).view(tuple(shape))
+
+
 def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], deadline: _wire.Deadline,
-                            what: str) -> tuple[list[tuple[float, float]], BaseException | None]:
+                            what: str, slabs: dict[torch.device, torch.Tensor]
+                            ) -> tuple[list[tuple[float, float]], BaseException | None]:
     """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in slices of
     at most :data:`SLICE_BYTES`: small tensors packed together per (device, dtype), a larger one cut in logical
     order (where it is cut depends on its shape alone, so every rank issues the same broadcasts whatever its
-    strides). Each slice is compared as it arrives: the extra memory is one slice and the comparison's temporaries,
-    whatever the buffer's size. The reference rank compares nothing (its difference with itself is 0). A comparison
-    that fails here is returned (the first), after every broadcast was issued."""
+    strides). Each slice is compared as it arrives, in ``slabs`` (allocated and voted on before the first
+    broadcast): the extra memory is one slice and the comparison's temporaries, whatever the buffer's size. The
+    reference rank compares nothing (its difference with itself is 0). A comparison that fails here is returned (the
+    first), after every broadcast was issued."""
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
     reference = g.me == 0
     failure: BaseException | None = None
@@ -232,21 +252,20 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
 
     for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
         first = tensors[bucket.indices[0]].detach()
+        slab = slabs[bucket.device]
         if len(bucket.indices) == 1 and first.numel() * first.element_size() > SLICE_BYTES:
             worst = scale = 0.0
             for block in _compare.blocks(first, max(1, SLICE_BYTES // first.element_size())):
-                if reference:  # sent from the buffer itself where it is contiguous, else from a copy of the block
-                    ref = block.resolve_conj().resolve_neg().contiguous()
-                else:  # received whole, compared with this rank's block where it lies (a chunk copied at a time)
-                    ref = torch.empty(block.shape, dtype=block.dtype, device=block.device)
+                ref = _in_slab(slab, block.dtype, block.shape)
+                if reference:  # a copy of the block (conj/neg views resolved), sent from the slab
+                    torch_compat.copy_all([ref], [block.resolve_conj().resolve_neg()])
                 _wire.broadcast_flat(g, ref, 0, deadline, what)
                 if not reference:
                     worst = max(worst, measure(_compare.max_abs_diff, block, ref))
                 scale = max(scale, measure(_compare.max_abs, ref))
-                del ref, block  # one slice alive at a time
             out[bucket.indices[0]] = (worst, scale)
             continue
-        space: Any = _wire.send_space(tensors, [bucket]) if reference else _wire.receive_space([bucket])
+        space: Any = {bucket.device: slab} if reference else [_in_slab(slab, bucket.dtype, (bucket.numel,))]
         try:
             _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
         except CollectiveError:
@@ -263,7 +282,6 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
                 ref = space[0][offset:offset + n].view(mine.shape)
                 out[i] = (measure(_compare.max_abs_diff, mine, ref), measure(_compare.max_abs, ref))
             offset += n
-        del space
     return out, failure
 
 

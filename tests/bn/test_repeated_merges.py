@@ -102,3 +102,49 @@ def test_the_first_sync_of_a_zero3_engine_whose_ranks_diverged_is_average_bn_sta
         assert o["after"][0] == int(n.sum())
         torch.testing.assert_close(o["after"][1], mean.float().double(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(o["after"][2], var.float().double(), rtol=1e-5, atol=1e-6)
+
+
+def _momentum_switches(rank, world):
+    out = {}
+    model = nn.Sequential(nn.BatchNorm1d(3, momentum=None))  # cumulative, then an EMA from step 4
+    handle = zb.keep_in_sync(model)
+    for step in range(8):
+        if step == 4:
+            model[0].momentum = 0.1
+        model[0](_rows(rank, step))
+        handle.sync()
+    handle.remove()
+    out["to_ema"] = model[0].running_mean.double()
+    model = nn.Sequential(nn.BatchNorm1d(3))  # an EMA, then reset and cumulative (torch's swa_utils.update_bn)
+    handle = zb.keep_in_sync(model)
+    for step in range(8):
+        if step == 4:
+            model[0].momentum = None
+            model[0].reset_running_stats()
+        model[0](_rows(rank, step))
+        handle.sync()
+    handle.remove()
+    bn = model[0]
+    out["to_cumulative"] = (int(bn.num_batches_tracked), bn.running_mean.double(), bn.running_var.double())
+    return out
+
+
+def test_a_layer_whose_momentum_changes_is_merged_by_its_new_kind_from_then_on(ranks):
+    out = ranks.run(_momentum_switches, timeout=120)
+    world = len(out)
+    # cumulative for 4 steps (the mean of every batch mean), then an EMA of the rank-averaged batch means
+    avg = [sum(_rows(r, s).float().double().mean(0) for r in range(world)) / world for s in range(8)]
+    want = sum(avg[:4]) / 4
+    for s in range(4, 8):
+        want = 0.9 * want + 0.1 * avg[s]
+    # reset at step 4 and cumulative since: average_bn_stats of the batches since the reset, had no rank synced
+    per_rank = [{"bn": (4, sum(_rows(r, s).float().double().mean(0) for s in range(4, 8)) / 4,
+                        sum(_rows(r, s).float().double().var(0, unbiased=True) for s in range(4, 8)) / 4)}
+                for r in range(world)]
+    n, mean, var = bn_mixture(per_rank, "bn")
+    for o in out:
+        torch.testing.assert_close(o["to_ema"], want, rtol=1e-5, atol=1e-5)
+        count, got_mean, got_var = o["to_cumulative"]
+        assert count == int(n.sum()) == 4 * world
+        torch.testing.assert_close(got_mean, mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_var, var, rtol=1e-5, atol=1e-5)

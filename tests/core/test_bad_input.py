@@ -501,3 +501,32 @@ def test_an_inference_tensor_buffer_is_refused_on_every_rank_before_any_data_mov
             assert message is not None and "inference tensors" in message and "'table'" in message, message
         assert errors == out[0][0]
         assert torch.equal(table, torch.full((3,), float(r))) and torch.equal(plain, torch.full((2,), float(r)))
+
+
+def _inference_buffer_on_one_rank(rank, world):
+    """Rank 0 re-registers a buffer under inference mode (as a dynamic rotary embedding does inside a rank-0-only
+    generate()); every call then meets a structure that differs on one rank."""
+    import time
+    model = nn.Module()
+    model.register_buffer("inv_freq", torch.full((3,), float(rank)))
+    if rank == 0:
+        with torch.inference_mode():
+            model.register_buffer("inv_freq", torch.full((3,), 9.0))
+    out = {}
+    for name, call in {"broadcast": lambda: zb.broadcast_buffers(model),
+                       "average": lambda: zb.sync_buffers(model, "average"),
+                       "report": lambda: zb.buffer_report(model),
+                       "keep_in_sync": lambda: zb.keep_in_sync(model).sync()}.items():
+        started = time.monotonic()
+        out[name] = (messages({name: call}, zb.BufferStructureError)[name], time.monotonic() - started)
+        model.__dict__.pop("_zero_buffers_keep_in_sync", None)
+    return out, model.inv_freq.clone()
+
+
+def test_an_inference_tensor_on_one_rank_only_stops_every_rank_naming_it(ranks):
+    out = ranks.run(_inference_buffer_on_one_rank, timeout=90)
+    for r, (calls, inv_freq) in enumerate(out):
+        for name, (message, seconds) in calls.items():
+            assert message is not None and "'inv_freq'" in message and "inference" in message, (name, message)
+            assert seconds < 20, (name, seconds)  # nobody waited for the deadline (300 s)
+        assert torch.equal(inv_freq, torch.full((3,), 9.0 if r == 0 else float(r)))  # nothing changed

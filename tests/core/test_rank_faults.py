@@ -513,15 +513,19 @@ def test_the_default_bound_is_five_minutes_per_collective_and_explicit_timeouts_
 
 # ---- one faulty rank per phase of the transaction ([Note: the transaction]) ------------------------------------------
 class Hooked(nn.Module):
-    """An EMA codebook whose registered rules recompute a derived buffer after every sync (an after_sync hook)."""
+    """An EMA codebook whose registered rules recompute a derived buffer and its codebook, kept as a parameter (as
+    taming-transformers' EmbeddingEMA does), after every sync: an after_sync hook."""
 
     def __init__(self):
         super().__init__()
         self.register_buffer("ema", torch.zeros(4))
         self.register_buffer("derived", torch.zeros(4))
+        self.weight = nn.Parameter(torch.zeros(4), requires_grad=False)
 
     def refresh(self) -> None:
-        self.derived.copy_(self.ema * 2)
+        with torch.no_grad():
+            self.derived.copy_(self.ema * 2)
+            self.weight.copy_(self.ema * 3)
 
 
 class PhaseNet(nn.Module):
@@ -719,3 +723,32 @@ def test_a_failure_on_one_rank_at_each_phase_raises_the_same_error_everywhere_an
             assert o["unchanged"], (r, name, phase)  # every buffer, parameter and the class as before
         for o in out[1:] if name not in REPORTS else ():  # the call after it synced: every rank's statistics alike
             assert all(bitwise_equal(v, out[0]["after"][k]) for k, v in o["after"].items() if k.startswith("b:bn."))
+
+
+def _report_cannot_allocate(rank, world):
+    import time
+
+    from zero_buffers import report as report_mod
+    model = _model(rank)  # its buffers differ across ranks: the report takes its differing path
+    real = report_mod._slabs
+    def no_room(tensors):
+        raise MemoryError("no room for a slice")
+    if rank == world - 1:
+        report_mod._slabs = no_room
+    started = time.monotonic()
+    try:
+        zb.buffer_report(model)
+        error = None
+    except zb.SyncAbortedError as e:
+        error = (str(e), e.ranks)
+    finally:
+        report_mod._slabs = real
+    return error, time.monotonic() - started
+
+
+def test_a_rank_that_cannot_allocate_the_reports_scratch_stops_every_rank_before_the_broadcasts(ranks):
+    out = ranks.run(_report_cannot_allocate, timeout=60)
+    last = len(out) - 1
+    for error, seconds in out:
+        assert error is not None and error[1] == (last,) and "MemoryError: no room for a slice" in error[0], error
+        assert seconds < 20

@@ -537,3 +537,59 @@ def test_in_a_broadcast_only_plan_a_receiver_change_stops_the_source_too(ranks):
         assert o["seconds"] < 30
         assert torch.equal(o["table"], torch.zeros(5) if r == receiver else torch.full((4,), 1.0))  # nothing written
         assert o["second"] is None and torch.equal(o["after"], torch.full((4,), 1.0))  # rank 0's, everywhere
+
+
+def _reshaped_in_place(rank, world):
+    out = {}
+    for how in ("resize_", "t_", "unsqueeze_", "t_ square"):
+        model = nn.Module()
+        model.register_buffer("table", torch.arange(9.0).reshape(3, 3) if how == "t_ square"
+                              else torch.arange(6.0).reshape(2, 3) + rank)
+        handle = zb.keep_in_sync(model)
+        handle.sync()
+        if rank == 0:  # the same tensor object over the same memory, another shape or layout, here only
+            if how == "resize_":
+                model.table.resize_(6)
+            elif how == "unsqueeze_":
+                model.table.unsqueeze_(0)
+            else:
+                model.table.t_()
+        out[how] = (messages({"sync": handle.sync}, zb.BufferStructureError)["sync"], model.table.clone())
+        handle.remove()
+    return out
+
+
+def test_a_buffer_reshaped_in_place_on_one_rank_stops_every_rank_or_is_taken_up(ranks):
+    out = ranks.run(_reshaped_in_place, timeout=120)
+    for o in out:
+        for how in ("resize_", "t_", "unsqueeze_"):  # the shape changed on rank 0: every rank raises, nothing written
+            assert "changed since the last sync on rank 0;" in (o[how][0] or ""), (how, o[how][0])
+        message, table = o["t_ square"]  # same shape, other strides: taken up, synced by logical index
+        assert message is None and torch.equal(table, torch.arange(9.0).reshape(3, 3).t()), table
+
+
+def _counter_reset_each_window(rank, world, rebase):
+    model = nn.Module()
+    model.register_buffer("tokens", torch.zeros(3, dtype=torch.int64))
+    handle = zb.keep_in_sync(model, rules={"tokens": "sum"})
+    totals = []
+    for _window in range(3):
+        for _step in range(2):
+            model.tokens += torch.tensor([rank + 1, 2 * rank, 1])  # what this rank routed in this step
+            handle.sync()
+        totals.append(model.tokens.clone())  # logged, then zeroed on every rank, as routers do per window
+        model.tokens.zero_()
+        if rebase:
+            handle.rebase()
+    handle.remove()
+    return totals
+
+
+def test_rebase_after_zeroing_a_sum_counter_on_every_rank_counts_only_what_follows(ranks):
+    world = ranks.world_size
+    per_step = torch.tensor([sum(r + 1 for r in range(world)), sum(2 * r for r in range(world)), world])
+    out = ranks.run(_counter_reset_each_window, True, timeout=120)
+    for totals in out:
+        assert all(torch.equal(t, 2 * per_step) for t in totals), totals  # each window: its own two steps
+    bare = ranks.run(_counter_reset_each_window, False, timeout=120)  # without rebase: the documented hazard
+    assert torch.equal(bare[0][0], 2 * per_step) and not torch.equal(bare[0][1], 2 * per_step)

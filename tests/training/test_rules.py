@@ -364,3 +364,24 @@ def test_sync_buffers_without_policy_or_rules_applies_the_default_rules(ranks):
             assert int(got["bn.num_batches_tracked"]) == sum(r + 1 for r in range(len(out)))  # merged, counted
             if len(out) > 1:
                 assert not bitwise_equal(got["bn.running_mean"], o["own"]["bn.running_mean"])
+
+
+def _sum16_with_nothing_added(rank, world):
+    model = nn.Module()
+    model.register_buffer("b16", torch.full((2,), (257.0, 256.0, 255.0, 254.0)[rank % 4], dtype=torch.bfloat16))
+    model.register_buffer("h16", torch.full((2,), 1024.0 + rank * 0.5, dtype=torch.float16))
+    handle = zb.keep_in_sync(model, rules={"b16": "sum", "h16": "sum"})
+    seen = []
+    for _ in range(6):  # nothing is added between the syncs: the sums must stay what the first one wrote
+        handle.sync()
+        seen.append((model.b16.clone(), model.h16.clone()))
+    handle.remove()
+    return seen
+
+
+def test_16_bit_sums_kept_in_sync_do_not_drift_when_nothing_is_added(ranks):
+    out = ranks.run(_sum16_with_nothing_added, timeout=120)
+    first = out[0][0]
+    for seen in out:
+        for b16, h16 in seen:  # the base subtracted next time is the rounded value written, not the float64 sum
+            assert torch.equal(b16, first[0]) and torch.equal(h16, first[1]), (b16, h16, first)

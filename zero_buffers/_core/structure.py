@@ -56,6 +56,8 @@ def specs(entries: Sequence[tuple[str, Any]]) -> list[Spec]:
             per_type[t.device.type] = k + 1
             slot = slots[t.device] = t.device.type if k == 0 else f"{t.device.type}#{k}"
         layout = "dtensor" if torch_compat.is_dtensor(t) else str(t.layout).removeprefix("torch.")
+        if t.is_inference():  # no write can change it outside inference mode: part of what every rank must share
+            layout = "inference" if layout == "strided" else f"{layout} inference"
         out.append(Spec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), slot, layout))
     return out
 
@@ -70,7 +72,7 @@ _CACHE: dict[tuple, list[Any]] = {}  # structure key -> [digest, bucket plan]; d
 
 def _known(call: tuple, entries: Sequence[tuple[str, Any]]) -> list[Any]:
     key = (_wire.BUCKET_BYTES, call,
-           tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout, type(t))
+           tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout, type(t), t.is_inference())
                  for n, t in entries))
     found = _CACHE.get(key)
     if found is None:

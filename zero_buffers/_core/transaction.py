@@ -66,8 +66,8 @@ def reached(phase: Phase, what: str) -> None:
 def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | None:
     """The error for tensors no collective can carry or no write can change (meta, non-strided, inference, quantized;
     CPU tensors on nccl).
-    It depends on dtype, device and layout only, which structure agreement compares, so after agreeing
-    every rank finds the same one."""
+    It depends on dtype, device and layout only (an inference tensor's layout reads "inference" in its Spec), which
+    structure agreement compares, so after agreeing every rank finds the same one."""
     distributed = [n for n, t in entries if torch_compat.is_dtensor(t)]
     if distributed:
         return InvalidArgumentError(

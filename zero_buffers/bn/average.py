@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -313,6 +313,11 @@ def _write(bns: list[_modules.BatchNorm], sums: torch.Tensor, untracked: bool = 
 # average_bn_stats'. A counter below the one the last merge left (the layer was replaced or reloaded on this rank)
 # starts this rank's layer afresh: its whole statistics count.
 
+def _cumulative_kinds(lay: Layout) -> list[bool]:
+    """Per layer: a cumulative average (momentum=None, with a counter) rather than an EMA."""
+    return [bn.module.momentum is None and bn.count is not None for bn in lay.bns]
+
+
 @dataclass
 class Repeated:
     """One rank's side of repeated merges of ``lay``'s layers ([Note: repeated merges]); float64 on the sums' device.
@@ -329,8 +334,8 @@ class Repeated:
     acc_a: torch.Tensor  # (C,) ... the sum of its batch means
     acc_v: torch.Tensor  # (C,) ... the sum of its batch variances
     origin: torch.Tensor  # (L + 2C,) on the source: the shared start of cumulative layers [N0, N0 M0, N0 (V0 + M0^2)]
-    has_cumulative: bool = False  # any cumulative layer (else contribute takes the EMA-only path)
-    _pending: tuple[torch.Tensor, ...] | None = None
+    kinds: list[bool] = field(default_factory=list)  # per layer: cumulative (momentum=None) when last merged
+    _pending: tuple[Any, ...] | None = None  # what contribute computed: acc_k, acc_a, acc_v, origin, kinds, cumulative
 
     @classmethod
     def start(cls, lay: Layout, device: torch.device, source: bool, shared: torch.Tensor,
@@ -339,10 +344,10 @@ class Repeated:
         whose statistics then were ``at_start`` (counter, mean, var as :meth:`Layout.read` gives them)."""
         L, C = lay.layers, lay.width
         zeros = functools.partial(torch.zeros, dtype=torch.float64, device=device)
-        cumulative = torch.tensor([bn.module.momentum is None and bn.count is not None for bn in lay.bns],
-                                  dtype=torch.bool, device=device)
+        kinds = _cumulative_kinds(lay)
+        cumulative = torch.tensor(kinds, dtype=torch.bool, device=device)
         state = cls(lay, source, cumulative, zeros(L), zeros(C), zeros(C), zeros(L), zeros(C), zeros(C),
-                    zeros(L + 2 * C), bool(cumulative.any()))
+                    zeros(L + 2 * C), kinds)
         if at_start is not None and L:
             n, mean, var = at_start
             keep = shared.to(device=device, dtype=torch.float64)
@@ -367,16 +372,21 @@ class Repeated:
         L, C = lay.layers, lay.width
         counted = lay.has_count > 0
         fresh = (n < self.last_n) & counted  # replaced or reloaded here: start this layer afresh
+        kinds = _cumulative_kinds(lay)  # a layer whose momentum changed since the last merge starts afresh too
+        cum = self.cumulative
+        if kinds != self.kinds:
+            cum = torch.tensor(kinds, dtype=torch.bool, device=n.device)
+            fresh = fresh | (cum != self.cumulative)
         refresh = bool(fresh.any())
         last_n = self.last_n.masked_fill(fresh, 0.0) if refresh else self.last_n
         k = torch.where(counted, n - last_n, torch.ones_like(n))
         torch.mul(k + last_n if self.source else k, lay.has_count, out=c)
-        if not self.has_cumulative:  # EMA layers only: the one-shot contribution, weighted by the batches since
+        if not any(kinds):  # EMA layers only: the one-shot contribution, weighted by the batches since the last merge
             w.copy_(k)
             per = k.index_select(0, index)
             torch.mul(mean, per, out=first)
             torch.addcmul(var, mean, mean, out=second).mul_(per)
-            self._pending = (self.acc_k, self.acc_a, self.acc_v, self.origin)
+            self._pending = (self.acc_k, self.acc_a, self.acc_v, self.origin, kinds, cum)
             return
         keep = (~fresh).double()
         keep_c = keep.index_select(0, index)
@@ -384,7 +394,6 @@ class Repeated:
         acc_k = self.acc_k * keep + k
         acc_a = self.acc_a * keep_c + (n_c * mean - last_c * self.last_mean * keep_c)
         acc_v = self.acc_v * keep_c + (n_c * var - last_c * self.last_var * keep_c)
-        cum = self.cumulative
         cum_c = cum.index_select(0, index)
         acc_k_c = acc_k.index_select(0, index)
         spread = torch.where(acc_k_c > 0, acc_a * acc_a / acc_k_c.clamp_min(1), torch.zeros_like(acc_a))
@@ -392,15 +401,15 @@ class Repeated:
         w.copy_(torch.where(cum, acc_k, k) + origin[:L])
         first.copy_(torch.where(cum_c, acc_a, k_c * mean) + origin[L:L + C])
         second.copy_(torch.where(cum_c, acc_v + spread, k_c * torch.addcmul(var, mean, mean)) + origin[L + C:])
-        self._pending = (acc_k, acc_a, acc_v, origin)
+        self._pending = (acc_k, acc_a, acc_v, origin, kinds, cum)
 
     def commit(self, written: Merged) -> None:
         """The merge was written: take up what :meth:`contribute` computed, and what the merge left."""
         assert self._pending is not None
-        self.acc_k, self.acc_a, self.acc_v, self.origin = self._pending
+        self.acc_k, self.acc_a, self.acc_v, self.origin, self.kinds, self.cumulative = self._pending
         self._pending = None
         self.last_n.copy_(written.counts)
-        if self.has_cumulative:
+        if any(self.kinds):
             _, mean, var = self.lay.read(self.last_n.device)
             self.last_mean.copy_(mean)
             self.last_var.copy_(var)

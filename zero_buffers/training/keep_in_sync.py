@@ -152,6 +152,7 @@ class _Steady:
         self.tables, self.keys = [o[0] for o in owners], [o[1] for o in owners]
         self.tensors = [o[2] for o in owners]
         self.ptrs = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.shapes = _shapes(self.tensors)  # sizes, strides, offsets: resize_(), t_(), unsqueeze_() change them
         self.modules = list(plan.modules)
         self.buffer_dicts = list(map(_BUFFERS, self.modules))
         self.child_dicts = list(map(_CHILDREN, self.modules))
@@ -224,13 +225,21 @@ class _Steady:
     def current(self) -> bool:
         """Whether the model still is what the plan was made from ([Note: steady state], step 1): every module under
         its parent by the same key, the same buffer and submodule tables, every synced tensor where it was over the
-        same memory (``buf.data = ...`` swaps it under the same tensor), no buffer or submodule more."""
+        same memory (``buf.data = ...`` swaps it under the same tensor) with the same sizes and strides (``resize_``,
+        ``t_`` and ``unsqueeze_`` change them in place), no buffer or submodule more."""
         return all(map(operator.is_, map(dict.get, self.link_dicts, self.link_keys), self.children)) and \
             all(map(operator.is_, map(_BUFFERS, self.modules), self.buffer_dicts)) and \
             all(map(operator.is_, map(_CHILDREN, self.modules), self.child_dicts)) and \
             all(map(operator.is_, map(dict.get, self.tables, self.keys), self.tensors)) and \
             list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs and \
+            _shapes(self.tensors) == self.shapes and \
             list(map(len, self.buffer_dicts + self.child_dicts)) == self.sizes
+
+
+def _shapes(tensors: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
+    """Every tensor's size, strides and storage offset (three C-level passes)."""
+    return (list(map(torch.Tensor.size, tensors)), list(map(torch.Tensor.stride, tensors)),
+            list(map(torch.Tensor.storage_offset, tensors)))
 
 
 def _layer_stats(lay: bn_average.Layout, values: dict[str, torch.Tensor], device: torch.device
@@ -270,8 +279,9 @@ class KeepInSync:
         # what every rank holds now, by name: the "sum" buffers and BatchNorm statistics (start="installed" compares
         # them across ranks at the first sync)
         stats = {id(t) for bn in plan.bns for _, t in bn.entries()}
-        self._at_start = {a.name: a.tensor.detach().clone() for a in plan.assigned
-                          if start == "installed" and (a.rule == "sum" or id(a.tensor) in stats)}
+        self._at_start = {a.name: a.tensor.detach().clone() for a in plan.assigned  # (a meta tensor holds nothing to
+                          if start == "installed" and not a.tensor.is_meta  # share: it counts as not shared)
+                          and (a.rule == "sum" or id(a.tensor) in stats)}
         self._undo: Callable[[], None]
         if engine:
             original = target.step
@@ -384,6 +394,30 @@ class KeepInSync:
             if local is not None:
                 raise local
         steady.begin(_Carry({}, {}), shared, self._at_start)
+
+    def rebase(self) -> None:
+        """Take what this rank holds now as the history every rank shares: call it on every rank right after you reset
+        or load buffers the rules reduce (a ``"sum"`` counter zeroed after logging, statistics loaded from a
+        checkpoint); the next sync counts only what the ranks add from here. Without it a ``"sum"`` counter zeroed on
+        every rank counts as every rank having added minus the last total. Local: it issues no collective, so a rank
+        that forgets it gets wrong sums, never a hang."""
+        stats = {id(t) for bn in self.plan.bns for _, t in bn.entries()}
+        steady = self._steady
+        if steady is None:  # before the first sync: the first sync compares this across ranks
+            self._at_start = {a.name: a.tensor.detach().clone() for a in self.plan.assigned
+                              if not a.tensor.is_meta and (a.rule == "sum" or id(a.tensor) in stats)}
+            self._start = "installed"
+            return
+        for kind in steady.kinds:
+            if kind.sub is not None and not steady.source:
+                for sub, part, writes in zip(kind.sub, kind.targets, kind.writes):
+                    torch_compat.copy_all(_views(sub, part), writes)
+        lay = steady.layout
+        if lay.bns:
+            device = self.g.device if self.g is not None else torch.device("cpu")
+            now = lay.read(device)
+            shared = torch.ones(lay.layers, dtype=torch.bool, device=device)
+            steady.repeated = bn_average.Repeated.start(lay, device, steady.source, shared, now)
 
     def remove(self) -> None:
         """Stop syncing (idempotent)."""
@@ -535,8 +569,9 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
         s.repeated.commit(merged)
     for kind in s.kinds:
         if kind.sub is not None and not source:
-            for i, flat in enumerate(kind.flats):
-                kind.sub[i].copy_(flat)  # what every rank holds now: subtracted at the next sync
+            for i, sub in enumerate(kind.sub):  # what every rank holds now, as written (a 16-bit sum was rounded
+                torch_compat.copy_all(_views(sub, kind.targets[i]), kind.writes[i])  # into its dtype): subtracted
+                # at the next sync, so a rounding is never counted as something a rank added
 
 
 def hookless(model: Any, policy: str | None, start: Start, **options: Any) -> KeepInSync:

@@ -136,8 +136,10 @@ class Plan:
         return [functools.partial(hook, module) for module, hook in self.after]
 
     def hooked(self) -> list[torch.Tensor]:
-        """Every buffer of the modules with a hook (what a hook may change, "local" ones too)."""
-        return [b for module, _ in self.after for b in module.buffers()]
+        """Every buffer and plain parameter of the modules with a hook: what a hook may change ("local" buffers, a
+        codebook kept as a parameter and recomputed from the synced statistics)."""
+        return [t for module, _ in self.after for t in (*module.buffers(), *module.parameters())
+                if not torch_compat.is_dtensor(t) and not t.is_meta]
 
     def synced(self) -> list[_modules.Entry]:
         """Every entry a sync moves (all but ``"local"``), in module order."""
