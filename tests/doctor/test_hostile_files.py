@@ -487,3 +487,74 @@ def test_trust_pickle_on_dcp_metadata_with_a_missing_module_is_a_checkpoint_erro
     with pytest.raises(zb.CheckpointError, match=r"\.metadata: cannot be loaded: .*zb_module_not_installed"), \
             pytest.warns(zb.ZeroBuffersWarning):
         zb.checkpoint_report(folder, trust_pickle=True)
+
+
+def _zero3_with(tmp: Path, change: Callable[[int, dict], None]) -> Path:
+    """A ZeRO-3 folder whose rank files went through ``change(rank, model_states)``."""
+    root = files.zero3(tmp / "ck")
+    for r in range(2):
+        path = root / files.TAG / files.model_file(r)
+        state = torch.load(path, weights_only=False)
+        change(r, state)
+        torch.save(state, path)
+    return root
+
+
+def _legacy_config(r: int, state: dict) -> None:
+    state["ds_config"]["zero_optimization"] = True  # DeepSpeed 0.19.8 still accepts the old boolean form
+
+
+def _absurd_world(r: int, state: dict) -> None:
+    state["dp_world_size"] = 10 ** 12
+
+
+def _counter_not_a_scalar(r: int, state: dict) -> None:
+    state["module"]["bn.num_batches_tracked"] = torch.tensor([21, 22])
+
+
+def _mean_and_var_disagree(r: int, state: dict) -> None:
+    state["module"]["bn.running_var"] = torch.ones(4)
+
+
+def _counters_past_int64(r: int, state: dict) -> None:
+    state["module"]["bn.num_batches_tracked"] = torch.tensor(2 ** 62 + r)
+
+
+def _dcp_ranges_listed_twice(tmp: Path) -> Path:
+    """A DCP entry whose storage lists the same bytes as four chunks, to pass as four times larger."""
+    folder = files.dcp(tmp / "ck")
+    md = _metadata(folder)
+    index, info = _storage(md, "bn.running_mean")
+    for k in range(1, 4):
+        md.storage_data[type(index)(index.fqn, torch.Size([3 * k]), 0)] = info
+    md.state_dict_metadata["bn.running_mean"].size = torch.Size([3 * 4])
+    _write_metadata(folder, md)
+    return folder
+
+
+VALUES = {  # values a file may hold that no reader expects: exit 2, a sentence naming the file, no traceback
+    "legacy zero_optimization": (lambda tmp: _zero3_with(tmp, _legacy_config), None),
+    "world of 10**12": (lambda tmp: _zero3_with(tmp, _absurd_world), "missing for rank(s) [2, 3, 4, 5] and"),
+    "counter not a scalar": (lambda tmp: _zero3_with(tmp, _counter_not_a_scalar), "not one integer counter"),
+    "mean and var disagree": (lambda tmp: _zero3_with(tmp, _mean_and_var_disagree),
+                              "bn.running_mean is float32 [3] but bn.running_var is float32 [4]"),
+    "counters past int64": (lambda tmp: _zero3_with(tmp, _counters_past_int64), None),
+    "dcp ranges listed twice": (_dcp_ranges_listed_twice, "overlapping bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUES))
+def test_values_no_reader_expects_are_refused_naming_the_file_never_a_traceback(tmp_path, case):
+    build, text = VALUES[case]
+    path = build(tmp_path)
+    for command in ("inspect", "diff"):
+        code, out, err = doctor(command, path)
+        if text is None:  # read fine: the legacy config and saturating counters are understood
+            assert code in (0, 1), (command, code, err)
+            continue
+        assert code == 2 and "Traceback" not in err and text in err, (command, code, err)
+    if case == "counters past int64":  # the merged counter saturates at int64's largest value, as live merges do
+        out_dir = tmp_path / "fixed"
+        assert doctor("repair", path, "-o", out_dir)[0] == 0
+        merged = torch.load(out_dir / files.TAG / files.model_file(0), weights_only=True)["module"]
+        assert int(merged["bn.num_batches_tracked"]) == torch.iinfo(torch.int64).max

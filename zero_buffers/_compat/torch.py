@@ -11,6 +11,7 @@ import functools
 import importlib
 import inspect
 import io
+import itertools
 import math
 import pathlib
 import pickle
@@ -219,6 +220,7 @@ def _check_dcp(folder: pathlib.Path, file: pathlib.Path, metadata: Any) -> None:
         raise refuse("its storage_data (where each entry's data lies) is missing")
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}  # per file: (offset, end, entry) of every range declared in it
     for index, info in storage.items():
         rel, offset, length = (getattr(info, k, None) for k in ("relative_path", "offset", "length"))
         fqn = getattr(index, "fqn", None)
@@ -236,6 +238,12 @@ def _check_dcp(folder: pathlib.Path, file: pathlib.Path, metadata: Any) -> None:
             raise refuse(f"entry {fqn!r} declares bytes {offset}..{offset + length} of {rel}, which has "
                          f"{sizes[rel]} bytes")
         stored[fqn] = stored.get(fqn, 0) + length
+        spans.setdefault(rel, []).append((offset, offset + length, fqn))
+    for rel, ranges in spans.items():  # a range listed twice, or two that overlap, would count the same bytes twice
+        ranges.sort()
+        for (_, end, first), (start, _, second) in itertools.pairwise(ranges):
+            if start < end:
+                raise refuse(f"entries {first!r} and {second!r} declare overlapping bytes of {rel} (from {start})")
     for name, m in metadata.state_dict_metadata.items():
         if not isinstance(m, TensorStorageMetadata):
             continue

@@ -13,6 +13,7 @@ The kinds, as DeepSpeed 0.16-0.19, Accelerate 1.x and torch 2.13 write them:
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import re
@@ -182,18 +183,21 @@ def _ds_record(file: Path, trust_pickle: bool) -> tuple[int | None, int | None]:
                               str(file))
     world = record.get("dp_world_size")
     config = record.get("ds_config")
-    stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, Mapping) else None
+    zero = config.get("zero_optimization", {}) if isinstance(config, Mapping) else None
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else None  # legacy configs hold a bool there
     return (world if isinstance(world, int) else None), (stage if isinstance(stage, int) else None)
 
 
 def _check_ranks(folder: Path, ranks: Mapping[int, Path], expected: int | None, template: str) -> None:
     """Ranks 0..n-1 present, none missing, none past the recorded world size."""
     n = expected if expected else max(ranks) + 1
-    missing = [r for r in range(n) if r not in ranks]
-    if missing:
-        names = ", ".join(template.format(r) for r in missing[:4])
-        raise CheckpointError(f"{folder}: rank file(s) missing for rank(s) {missing} of {n} ({names})",
-                              str(folder / template.format(missing[0])))
+    present = sum(1 for r in ranks if 0 <= r < n)
+    if present < n:  # named without walking every rank a file may record (10**12 of them, say)
+        first = list(itertools.islice((r for r in range(n) if r not in ranks), 4))
+        names = ", ".join(template.format(r) for r in first)
+        more = f" and {n - present - len(first)} more" if n - present > len(first) else ""
+        raise CheckpointError(f"{folder}: rank file(s) missing for rank(s) {first}{more} of {n} ({names})",
+                              str(folder / template.format(first[0])))
     extra = sorted(r for r in ranks if r >= n)
     if extra:
         raise CheckpointError(f"{folder}: rank file(s) for rank(s) {extra}, but the checkpoint records a "

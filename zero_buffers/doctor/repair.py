@@ -43,7 +43,7 @@ import torch
 from .._core import compare as _compare
 from ..errors import CheckpointError, InvalidArgumentError
 from . import _atomic as _atomic_dir, _copy as _ckpt_copy, _files as _ckpt_files
-from .report import _STATS, _bar, _bn_layers, _common_names, _opened, _PathLike, _sources, _trust
+from .report import _STATS, _bar, _bn_layers, _common_names, _opened, _PathLike, _sources, _trust, unreadable
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,9 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
     for f in _bar(lay.files, "checking", progress):  # the copy must not carry a corrupt input along
         _ckpt_files.check_crc(f)
     sources = _sources([lay])
-    with _opened(sources, trust_pickle, progress) as views:
+    with unreadable(lay.path), _opened(sources, trust_pickle, progress) as views:
         names, _ = _common_names(sources, views, True)
+        _bn_layers(names, sources, views)  # a layer whose statistics no BatchNorm could hold is refused, by file
         values, merged, from_src = _repaired_values(views, names, policy, src)
         result = RepairResult(str(lay.path), str(lay.unit if in_place else target),
                               lay.kind, lay.tag, n, policy, src, tuple(merged), tuple(from_src), (), 0, False,
@@ -274,5 +275,6 @@ def _mixture(views: Sequence[_ckpt_files.Tensors], prefix: str, counted: bool) -
     ref = views[0]
     out = {mean_k: mean.to(ref.get(mean_k).dtype), var_k: var.to(ref.get(var_k).dtype)}
     if counted:
-        out[count_k] = torch.tensor(round(total), dtype=ref.get(count_k).dtype)
+        dtype = ref.get(count_k).dtype  # saturating, as the live merges do: the counters' sum may pass the dtype
+        out[count_k] = torch.tensor(min(round(total), torch.iinfo(dtype).max), dtype=dtype)
     return out

@@ -230,18 +230,51 @@ def _compare_one(tensors: Sequence[torch.Tensor], atol: float) -> tuple[tuple[in
     return tuple(bad), worst, rel
 
 
-def _bn_layers(names: Iterable[str]) -> dict[str, bool]:
-    """BatchNorm layers among ``names`` (prefix with running_mean and running_var) -> whether they have a counter."""
+def _bn_layers(names: Iterable[str], sources: Sequence[_Source] = (),
+               views: Sequence[_ckpt_files.Tensors] = ()) -> dict[str, bool]:
+    """BatchNorm layers among ``names`` (prefix with running_mean and running_var) -> whether they have a counter.
+    With the ``views`` of the ``sources``, each layer is checked as a BatchNorm's statistics must be (mean and var of
+    one shape, a counter of one integer): CheckpointError naming the file and the entry for what is not."""
     ordered = list(names)
     have = set(ordered)
-    return {n.removesuffix("running_mean"): n.removesuffix("running_mean") + "num_batches_tracked" in have
-            for n in ordered if n.endswith("running_mean") and n.removesuffix("running_mean") + "running_var" in have}
+    layers = {n.removesuffix("running_mean"): n.removesuffix("running_mean") + "num_batches_tracked" in have
+              for n in ordered if n.endswith("running_mean") and n.removesuffix("running_mean") + "running_var" in have}
+    for source, view in zip(sources, views):
+        for prefix, counted in layers.items():
+            mean, var = view.meta[prefix + "running_mean"], view.meta[prefix + "running_var"]
+            why = None
+            if mean[1] != var[1]:
+                why = f"{prefix}running_mean is {_describe(mean)} but {prefix}running_var is {_describe(var)}"
+            elif counted:
+                dtype, shape = view.meta[prefix + "num_batches_tracked"]
+                if math.prod(shape) != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                    why = f"{prefix}num_batches_tracked is {_describe((dtype, shape))}, not one integer counter"
+            if why is not None:
+                raise CheckpointError(f"{source.file.path}: not a BatchNorm layer's statistics on {source.label}: "
+                                      f"{why}", str(source.file.path))
+    return layers
+
+
+@contextmanager
+def unreadable(what: Any) -> Iterator[None]:
+    """Anything but a CheckpointError while reading ``what`` (values a file holds that no reader expects) becomes a
+    CheckpointError naming it: the doctor's callers get one error type, the CLI exit 2 rather than a traceback."""
+    try:
+        yield
+    except (CheckpointError, InvalidArgumentError, KeyboardInterrupt):
+        raise
+    except (ValueError, TypeError, AttributeError, RuntimeError, OverflowError, MemoryError, KeyError, IndexError,
+            EOFError, AssertionError) as e:
+        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{what}: holds values that cannot be read as a checkpoint ({text})", str(what)) from e
 
 
 def _untrained(view: _ckpt_files.Tensors, prefix: str, counted: bool) -> bool:
     mean, var = view.get(prefix + "running_mean"), view.get(prefix + "running_var")
-    count = int(view.get(prefix + "num_batches_tracked")) if counted else 0
-    return count == 0 and not bool(mean.any()) and bool((var == 1).all())
+    counter = view.get(prefix + "num_batches_tracked") if counted else torch.zeros(())
+    if counter.numel() != 1:
+        return False  # not a counter: _bn_layers names it once every entry was read
+    return int(counter) == 0 and not bool(mean.any()) and bool((var == 1).all())
 
 
 def _kind_of(name: str) -> str:
@@ -292,7 +325,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
             _ckpt_files.check_crc(s.file)
     same = len(layouts) == 1 and layouts[0].per_rank
     warnings: list[str] = list(leftovers)
-    with _opened(sources, trust_pickle, progress) as views:
+    with unreadable(", ".join(map(str, (path, *more)))), _opened(sources, trust_pickle, progress) as views:
         names, partial = _common_names(sources, views, same)
         recorded = all(v.buffer_names is not None for v in views)
         if patterns:
@@ -310,6 +343,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
             rows.append(BufferRow(name, str(tensors[0].dtype).removeprefix("torch."), tuple(tensors[0].shape), True,
                                   not bad, worst, bad, rel, fresh.get(layer, ()) if layer is not None else ()))
             del tensors
+        _bn_layers(names, sources, views)  # after every entry was read: what cannot be read is named first
         counters = tuple(_counter_range(v, [p + "num_batches_tracked" for p, c in layers.items() if c])
                          for v in views)
         if any(lay.kind == "torch DCP" for lay in layouts):
