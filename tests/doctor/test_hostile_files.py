@@ -548,7 +548,7 @@ def test_values_no_reader_expects_are_refused_naming_the_file_never_a_traceback(
     build, text = VALUES[case]
     path = build(tmp_path)
     for command in ("inspect", "diff"):
-        code, out, err = doctor(command, path)
+        code, _, err = doctor(command, path)
         if text is None:  # read fine: the legacy config and saturating counters are understood
             assert code in (0, 1), (command, code, err)
             continue
