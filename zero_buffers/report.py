@@ -213,10 +213,11 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
 
 
 def _slabs(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once)."""
+    """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once): the
+    largest of the buckets :func:`_compare_with_reference` sends, small tensors packed together, a larger one cut."""
     need: dict[torch.device, int] = {}
-    for t in tensors:
-        need[t.device] = max(need.get(t.device, 0), min(t.numel() * t.element_size(), SLICE_BYTES))
+    for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
+        need[bucket.device] = max(need.get(bucket.device, 0), min(bucket.nbytes, SLICE_BYTES))
     return {d: torch.empty(-(-n // 64) * 64 + 64, dtype=torch.uint8, device=d) for d, n in need.items() if n}
 
 

@@ -279,6 +279,27 @@ def test_the_table_lines_up_for_names_longer_than_forty_characters():
     assert lines[0].startswith(long + "  ") and lines[0].endswith("1, 3") and lines[1].endswith("-")
 
 
+def _many_small_differing(rank, world, n, size):
+    """``n`` float32 buffers of ``size`` elements, each differing by (k + 1) * rank in element k % size."""
+    model = nn.Module()
+    for k in range(n):
+        b = torch.arange(size, dtype=torch.float32)
+        b[k % size] += (k + 1) * rank
+        model.register_buffer(f"b{k}", b)
+    return zb.buffer_report(model)
+
+
+def test_small_differing_buffers_packed_into_one_slice_are_each_measured(ranks):
+    # Twenty 64-element buffers travel as one 5 KiB slice though each is 256 bytes: the comparison's scratch holds
+    # the packed slice, not just the largest buffer (it was sized by the largest one and the report raised).
+    world = ranks.world_size
+    reports = ranks.run(_many_small_differing, 20, 64)
+    assert all(r == reports[0] for r in reports)
+    for k, row in enumerate(reports[0].rows):
+        assert row.name == f"b{k}" and not row.in_sync and row.differing_ranks == tuple(range(1, world))
+        assert row.max_abs_diff == (k + 1) * (world - 1), row
+
+
 # ---- costs that need not grow with world size; digests --------------------------------------------------------------
 def _report_cost(rank, world, n):
     model = nn.Module()

@@ -341,12 +341,16 @@ def test_ranks_calling_with_different_arguments_raise_the_same_error(ranks):
 
 # ---- the digest holds what decides the collectives -----------------------------------------------------------------
 class _Placed:
-    """A tensor's description as structure agreement reads it (dtype, shape, device, layout): lets this pure function
-    see device ordinals that a CPU-only machine cannot make (tests/gpu/run.sh runs the real thing)."""
+    """A tensor's description as structure agreement reads it (dtype, shape, device, layout, inference mode): lets
+    this pure function see device ordinals that a CPU-only machine cannot make (tests/gpu/run.sh runs the real
+    thing)."""
 
     def __init__(self, device: str, n: int = 4):
         self.dtype, self.shape, self.device, self.layout = torch.float32, torch.Size([n]), torch.device(device), \
             torch.strided
+
+    def is_inference(self) -> bool:
+        return False
 
 
 @pytest.mark.stack

@@ -593,3 +593,25 @@ def test_rebase_after_zeroing_a_sum_counter_on_every_rank_counts_only_what_follo
         assert all(torch.equal(t, 2 * per_step) for t in totals), totals  # each window: its own two steps
     bare = ranks.run(_counter_reset_each_window, False, timeout=120)  # without rebase: the documented hazard
     assert torch.equal(bare[0][0], 2 * per_step) and not torch.equal(bare[0][1], 2 * per_step)
+
+
+def _meta_at_install(rank, world):
+    if rank == 0:
+        model = nn.Sequential(nn.BatchNorm1d(3, affine=False))
+        model[0](torch.randn(6, 3) + 5)  # rank 0 holds real, trained statistics
+    else:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.BatchNorm1d(3, affine=False))  # built on meta: its buffers hold nothing yet
+    handle = zb.keep_in_sync(model)  # installed before the buffers are materialised: that start counts as not shared
+    zb.broadcast_buffers(model, materialize=True)  # the flow the library's own errors recommend
+    model[0](torch.randn(6, 3) * (rank + 1))
+    handle.sync()
+    handle.remove()
+    return int(model[0].num_batches_tracked), model[0].running_mean.clone()
+
+
+def test_keep_in_sync_installed_while_buffers_are_on_meta_syncs_once_they_are_materialised(ranks):
+    out = ranks.run(_meta_at_install, timeout=120)
+    for count, mean in out:
+        assert count == out[0][0] and torch.equal(mean, out[0][1])
+    assert out[0][0] == 2 * len(out)  # rank 0's batch counted on every rank by the broadcast, then every rank's one
