@@ -1,7 +1,4 @@
-"""BatchNorm statistics drift apart across ranks: zero_buffers shows which ones, then merges them.
-
-Run it on a CPU: torchrun --nproc_per_node 2 examples/bn_divergence.py
-"""
+"""BatchNorm statistics drift apart across ranks. Run: torchrun --nproc_per_node 2 examples/bn_divergence.py"""
 import torch
 import torch.distributed as dist
 from torch import nn

@@ -291,7 +291,77 @@ def test_readme_example_runs_as_printed_and_shows_the_bug_then_the_fix(tmp_path)
     bug, fix = out.index("BUG:"), out.index("FIX:")
     assert bug < fix, out
     bug_rows = out[bug:fix].splitlines()[2:]
-    assert any("running_mean" in r and " NO " in r for r in bug_rows), f"no differing running_mean before the fix:\n{out}"
-    assert "FIX: 0 of 3 buffers differ" in out[fix:] and " NO " not in out[fix:], f"still differing after the fix:\n{out}"
+    assert any("running_mean" in r and " NO " in r for r in bug_rows), f"no differing running_mean first:\n{out}"
+    assert "FIX: 0 of 3 buffers differ" in out[fix:] and " NO " not in out[fix:], f"still differing after:\n{out}"
     assert [b for b in readme if b.kind == "output" and b.text == README_EXAMPLE_COMMAND], \
         "README.md does not show what the example prints (<!-- output: the command -->)"
+
+
+# ---------------------------------------------------------------------------------------- links and stale words
+
+STALE = [r"\bissue \d+", r"\bthis round\b", r"\bnext (?:session|round)\b", r"\bCONTEXT\.md\b", r"/work/",
+         r"\b\d+\.\d+ promises\b", r"\bfirst draft\b", r"\bwas lent\b"]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces to '-'."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)  # a link in a heading keeps its text
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        m = re.match(r"^#{1,6} (.+)$", line)
+        if m and not in_code:
+            base = slug(m[1])
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def prose(path: Path) -> str:
+    """A page without its code blocks."""
+    out, in_code = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code:
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_links_point_to_files_and_headings_that_exist():
+    repo_md = {p.name for p in ROOT.rglob("*.md") if not {".git", ".venv", ".venv-oldest"} & set(p.parts)}
+    broken = []
+    for page in pages():
+        text = prose(page)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://|^mailto:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (page.parent / file).resolve() if file else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: ({target}): no file {file}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: ({target}): {dest.name} has no heading #{anchor}")
+        for name in re.findall(r"`([^`\s*]+\.md)`", text):
+            if not (ROOT / name).exists() and Path(name).name not in repo_md:
+                broken.append(f"{page.relative_to(ROOT)}: `{name}` is no file of the repository")
+    assert not broken, "\n".join(broken)
+
+
+def test_docs_hold_no_words_that_go_stale():
+    found = []
+    for page in pages():
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            found += [f"{page.relative_to(ROOT)}:{n}: {pattern!r} in: {line.strip()[:100]}"
+                      for pattern in STALE if re.search(pattern, line, re.I)]
+    assert not found, ("planning words, versions in promises or files outside the repository (history goes to "
+                       "CHANGELOG.md):\n" + "\n".join(found))
