@@ -98,7 +98,8 @@ class Lines:
             self.last = now
             of = f"/{self.total}" if self.total is not None else ""
             pct = f" ({100 * self.n // self.total}%)" if self.total else ""
-            self._write(f"{self.what}: {self.n}{of} {self._units()}{pct}, {now - self.start:.0f} s")
+            self._write(f"{self.what}: {self.n}{of} {self._units(self.n if self.total is None else self.total)}{pct}, "
+                        f"{now - self.start:.0f} s")
 
     def close(self, ok: bool = True) -> None:
         if self.closed:
@@ -106,12 +107,12 @@ class Lines:
         self.closed = True
         seconds = time.monotonic() - self.start
         if ok:
-            self._write(f"{self.what}: {self.n} {self._units()} in {seconds:.1f} s")
+            self._write(f"{self.what}: {self.n} {self._units(self.n)} in {seconds:.1f} s")
         else:
-            self._write(f"{self.what}: stopped after {self.n} {self._units()} ({seconds:.1f} s)")
+            self._write(f"{self.what}: stopped after {self.n} {self._units(self.n)} ({seconds:.1f} s)")
 
-    def _units(self) -> str:
-        if self.n == 1:
+    def _units(self, count: int) -> str:
+        if count == 1:
             return self.unit
         return self.unit + ("es" if self.unit.endswith(("ch", "sh", "s", "x")) else "s")
 
