@@ -82,7 +82,8 @@ class CheckpointReport:
                 f"atol={self.report.atol:g})")
 
     def table(self, full: bool = False) -> str:
-        """The per-buffer table ``buffer_report`` prints; short (the differing rows) for more than 40 buffers."""
+        """The per-buffer table ``buffer_report`` prints: under 40 lines unless ``full`` (every row up to 30 buffers;
+        past that the differing rows, or the 20 worst and the rest by module: ``BufferReport.format``)."""
         return self.report.format(head=self.verdict(), full=full)
 
     def format(self, full: bool = False) -> str:
