@@ -22,7 +22,9 @@ from ._core import (
 )
 from .errors import BuffersOutOfSyncError, CollectiveError
 
-SHORT_ROWS = 40  # above this many buffers, a report prints its differing rows only unless asked for every row
+SHORT_ROWS = 30  # a report of at most this many buffers (or differing buffers) lists them all, in model order
+WORST_ROWS = 20  # past that, a short report lists the worst this many differing buffers ...
+MODULE_LINES = 12  # ... and sums up the other differing ones by module in at most this many lines
 SLICE_BYTES = 4 * 2 ** 20  # a differing buffer's reference travels in slices of at most this many bytes
 
 
@@ -68,33 +70,187 @@ class BufferReport:
 
     def format(self, only_out_of_sync: bool = False, limit: int | None = None, head: str | None = None,
                full: bool = False) -> str:
-        """A plain-text table (``limit`` rows at most) under ``head`` (default: the verdict across ranks); columns
-        fit the longest name. Short by default for more than :data:`SHORT_ROWS` buffers: the differing rows and
-        a count of the others; ``full=True`` prints every row."""
-        short = not full and not only_out_of_sync and len(self.rows) > SHORT_ROWS
-        rows = self.out_of_sync if only_out_of_sync or short else list(self.rows)
-        default = (f"{len(self.out_of_sync)} of {len(self.rows)} buffers differ across ranks {list(self.ranks)} "
-                   f"(reference rank {self.reference_rank}, atol={self.atol:g})")
-        if not self.checked:
-            default = f"{len(self.rows)} buffers, not compared: no process group with more than one rank"
-        head = default if head is None else head
-        shown = rows if limit is None else rows[:limit]
-        cells = [(r.name, r.dtype, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
-                  f"{r.max_rel_diff:.3g}", ", ".join(map(str, r.differing_ranks)) or "-") for r in shown]
-        titles = ("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks")
-        widths = [max([len(t)] + [len(c[i]) for c in cells]) for i, t in enumerate(titles)]
-        right = {4, 5}
+        """A plain-text table under ``head`` (default: how many buffers differ, across which ranks, and which ranks
+        differ); columns fit the longest name. Under 40 lines whatever the model, unless ``full=True``:
 
-        def line(values: Sequence[str]) -> str:
-            return "  ".join(v.rjust(w) if i in right else v.ljust(w)
-                             for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+        - up to :data:`SHORT_ROWS` buffers (or differing buffers), every one of them, in model order; in-sync rows
+          of a larger model are counted, not listed;
+        - more differing buffers than that: the :data:`WORST_ROWS` worst (by relative difference, then absolute),
+          worst first, then the others summed up by module (its path, how many of its buffers differ, the worst
+          difference among them, the ranks), at most :data:`MODULE_LINES` modules, the worst first;
+        - a last line counting what is not listed, and naming ``format(full=True)``, which lists every row.
 
-        lines = [head, line(titles), *(line(c) for c in cells)]
-        if len(shown) < len(rows):
-            lines.append(f"... and {len(rows) - len(shown)} more")
-        if short:
-            lines.append(f"({len(self.rows) - len(rows)} buffers in sync not shown; format(full=True) shows every row)")
-        return "\n".join(lines)
+        ``only_out_of_sync``: the differing rows only. ``limit``: at most that many rows, the worst ones, the rest
+        summed up by module."""
+        pick = _select(self, only_out_of_sync, limit, full)
+        return _render(self, pick, head)
+
+@dataclass(frozen=True)
+class _Module:
+    """A module path ('' for the model's own buffers) holding differing buffers that are not listed: how many of its
+    buffers differ (of how many), how many of those are not listed, the worst difference among them all."""
+
+    path: str
+    differing: int
+    buffers: int
+    not_listed: int
+    max_abs_diff: float
+    max_rel_diff: float
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """What a report's text shows, decided from its rows before anything is formatted: the rows listed (in the
+    order shown), the differing rows not listed summed up by module (``modules``, then ``more_modules`` modules
+    holding ``more_buffers`` differing buffers past :data:`MODULE_LINES`), and the counts of what is not listed."""
+
+    rows: tuple[BufferRow, ...]
+    worst_first: bool
+    modules: tuple[_Module, ...]
+    more_modules: int
+    more_buffers: int
+    differing_hidden: int
+    in_sync_hidden: int  # 0 when only_out_of_sync left them out by request
+
+
+def _severity(row: BufferRow) -> tuple[bool, float, float]:
+    """Sort key, worst first: differing before in sync, then the relative difference, then the absolute (NaN as
+    the worst)."""
+    def worse(x: float) -> float:
+        return -math.inf if math.isnan(x) else -x
+    return (row.in_sync, worse(row.max_rel_diff), worse(row.max_abs_diff))
+
+
+def _select(report: BufferReport, only_out_of_sync: bool, limit: int | None, full: bool) -> _Selection:
+    """The rows to list and the summary of the rest (see :meth:`BufferReport.format`)."""
+    rows = list(report.rows)
+    differing = [i for i, r in enumerate(rows) if not r.in_sync]
+    candidates = differing if only_out_of_sync else list(range(len(rows)))
+
+    def worst(ids: list[int]) -> list[int]:
+        return sorted(ids, key=lambda i: _severity(rows[i]))  # stable: ties in model order
+
+    if full or len(candidates) <= SHORT_ROWS:
+        listed = candidates
+    elif len(differing) <= SHORT_ROWS:
+        listed = differing
+    else:
+        listed = worst(differing)[:WORST_ROWS]
+    if limit is not None and len(listed) > max(limit, 0):
+        listed = worst(listed)[:max(limit, 0)]
+    shown = set(listed)
+    hidden = [rows[i] for i in differing if i not in shown]
+    listed = worst(listed) if hidden else sorted(listed)
+    modules, more_modules, more_buffers = _by_module(hidden, rows)
+    in_sync_hidden = 0 if only_out_of_sync else sum(1 for i, r in enumerate(rows) if r.in_sync and i not in shown)
+    return _Selection(tuple(rows[i] for i in listed), bool(hidden), modules, more_modules, more_buffers, len(hidden),
+                      in_sync_hidden)
+
+
+def _module_path(name: str) -> list[str]:
+    return name.split(".")[:-1]
+
+
+def _by_module(hidden: list[BufferRow], rows: list[BufferRow]) -> tuple[tuple[_Module, ...], int, int]:
+    """The modules holding the hidden differing rows, at the deepest level of their paths that fits
+    :data:`MODULE_LINES` lines (one level deeper, cut, when that level would put them all under one module), the
+    worst first; then how many modules, and hidden differing rows, did not fit."""
+    if not hidden:
+        return (), 0, 0
+    paths = [_module_path(r.name) for r in hidden]
+    deepest = max(len(p) for p in paths)
+
+    def keys(depth: int) -> list[str]:
+        return [".".join(p[:depth]) for p in paths]
+
+    depth = deepest
+    while depth > 1 and len(set(keys(depth))) > MODULE_LINES:
+        depth -= 1
+    if len(set(keys(depth))) == 1 and depth < deepest:
+        depth += 1
+    groups: dict[str, list[BufferRow]] = {}
+    for key, r in zip(keys(depth), hidden):
+        groups.setdefault(key, []).append(r)
+
+    def members(key: str) -> list[BufferRow]:
+        if not key:
+            return [r for r in rows if "." not in r.name]
+        return [r for r in rows if r.name.startswith(key + ".")]
+
+    summary = []
+    for key, group in groups.items():
+        inside = members(key)
+        bad = [r for r in inside if not r.in_sync]
+        worst = min(bad, key=_severity)
+        ranks = tuple(sorted({k for r in bad for k in r.differing_ranks}))
+        summary.append((_severity(worst), _Module(key, len(bad), len(inside), len(group),
+                                                   max(r.max_abs_diff for r in bad), worst.max_rel_diff, ranks)))
+    summary.sort(key=lambda kv: kv[0])
+    fits = MODULE_LINES if len(summary) <= MODULE_LINES else MODULE_LINES - 1
+    shown = tuple(m for _, m in summary[:fits])
+    rest = [m for _, m in summary[fits:]]
+    return shown, len(rest), sum(m.not_listed for m in rest)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``1, 2, 3``; runs of four or more as ``4-63`` once the plain list would be long."""
+    plain = ", ".join(map(str, ranks))
+    if len(plain) <= 24:
+        return plain
+    out: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 3 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ", ".join(out)
+
+
+def _group_text(ranks: Sequence[int]) -> str:
+    return str(list(ranks)) if len(ranks) <= 16 else f"[{_ranks(ranks)}]"
+
+
+def _table(titles: Sequence[str], cells: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max([len(t)] + [len(c[i]) for c in cells]) for i, t in enumerate(titles)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if i in right else v.ljust(w)
+                         for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+
+    return [line(titles), *(line(c) for c in cells)]
+
+
+def _render(report: BufferReport, pick: _Selection, head: str | None) -> str:
+    """The text of a selection."""
+    bad = report.out_of_sync
+    if not report.checked:
+        default = f"{len(report.rows)} buffers, not compared: no process group with more than one rank"
+    else:
+        default = (f"{len(bad)} of {len(report.rows)} buffers differ across ranks {_group_text(report.ranks)} "
+                   f"(reference rank {report.reference_rank}, atol={report.atol:g})")
+        if bad:
+            default += f"; differing ranks: {_ranks(sorted({k for r in bad for k in r.differing_ranks}))}"
+    cells = [(r.name, r.dtype, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
+              f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
+    lines = [default if head is None else head,
+             *_table(("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks"), cells, {4, 5})]
+    if pick.modules:
+        mods = [(m.path or "(top level)", f"{m.differing} of {m.buffers}", str(m.not_listed), f"{m.max_abs_diff:.4g}",
+                 f"{m.max_rel_diff:.3g}", _ranks(m.ranks) or "-") for m in pick.modules]
+        lines += _table(("module", "differing", "not listed", "max |diff|", "rel", "differing ranks"), mods, {2, 3, 4})
+        if pick.more_modules:
+            lines.append(f"... and {pick.more_modules} more modules, {pick.more_buffers} differing buffers not listed")
+    listed_bad = sum(1 for r in pick.rows if not r.in_sync)
+    if pick.differing_hidden:
+        tail = f"(the {listed_bad} worst of {len(bad)} differing buffers listed, {pick.differing_hidden} more by module"
+        tail += f", {pick.in_sync_hidden} in sync not shown" if pick.in_sync_hidden else ""
+        lines.append(tail + "; format(full=True) shows every row)")
+    elif pick.in_sync_hidden:
+        lines.append(f"({pick.in_sync_hidden} buffers in sync not shown; format(full=True) shows every row)")
+    return "\n".join(lines)
 
 
 def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ignore: Iterable[str] = (),
@@ -323,7 +479,8 @@ def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float 
                            include_parameters: bool = False, timeout: _args.Timeout = None) -> BufferReport:
     """Raise :class:`BuffersOutOfSyncError` on every rank if any buffer differs across ranks; else return the report.
 
-    The message lists each offending buffer with its max abs difference and the ranks that differ, and
+    The message lists the offending buffers with their max abs difference and the ranks that differ (all of them
+    up to 30; past that the 20 worst, the others summed up by module, so it stays under 40 lines), and
     advises by situation: statistics loaded on some ranks only or a frozen module (take one rank's values)
     versus statistics trained per rank (merge or recompute them).
 
@@ -335,5 +492,5 @@ def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float 
     if not report.in_sync:
         raise BuffersOutOfSyncError(
             f"{type(module).__name__}: buffers out of sync across ranks.\n"
-            f"{report.format(only_out_of_sync=True, limit=50)}\nFix: {advice(report)}", report)
+            f"{report.format(only_out_of_sync=True)}\nFix: {advice(report)}", report)
     return report

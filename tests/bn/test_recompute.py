@@ -1,8 +1,9 @@
 """recompute_bn_stats: exact population statistics across 2 and 4 real gloo ranks, uneven data, wrappers, restore.
 
 Under ZeRO-3 too: a forward that raises half-way on one rank reaches every rank as RecomputeError, and a rank
-without batches still takes part. A recompute that saw no batch never reports success; progress bars go to a
-terminal only."""
+without batches still takes part. A recompute that saw no batch never reports success; progress goes to a
+terminal by default, and off a terminal (progress=True) as plain lines, never a carriage return (tests/core/
+test_output.py: a file, a pipe and a pseudo-terminal)."""
 from __future__ import annotations
 
 import contextlib
@@ -185,7 +186,7 @@ def _restores_everything(rank, world):
         params=all(torch.equal(p, params[n]) for n, p in model.named_parameters()),
         other=all(torch.equal(b, other[n]) for n, b in model[3].named_buffers()),
         rng=torch.equal(rng, torch.get_rng_state()),
-        bar="recompute_bn_stats" in err.getvalue(),
+        bar="recompute_bn_stats" in err.getvalue(), no_cr="\r" not in err.getvalue(),
         stats=stats_of(model))
 
 
@@ -193,7 +194,7 @@ def test_restores_modes_momentum_params_other_buffers_and_rng_bar_on_main_rank_o
     out = ranks.run(_restores_everything, timeout=60)
     for rank, o in enumerate(out):
         assert o["modes"] and o["momentum"] == (0.3, None) and o["params"] and o["other"] and o["rng"]
-        assert o["bar"] == (rank == 0)
+        assert o["bar"] == (rank == 0) and o["no_cr"]  # stderr is no terminal here: plain lines, no "\r"
         assert all(torch.equal(o["stats"][n][1], out[0]["stats"][n][1]) for n in o["stats"])  # dropout included
     assert not torch.equal(out[0]["stats"]["1"][0], torch.zeros(4))
 
@@ -468,6 +469,7 @@ def test_progress_defaults_to_a_terminal_and_never_writes_carriage_returns_into_
         with redirect_stderr(forced), warnings.catch_warnings():
             warnings.simplefilter("ignore", zb.ZeroBuffersWarning)
             call({"progress": True})
-        assert "recompute_bn_stats" in forced.getvalue()
+        assert "\r" not in forced.getvalue()  # progress=True off a terminal: plain lines, the last one always
+        assert forced.getvalue().splitlines()[-1].startswith("recompute_bn_stats: 3 batches in "), forced.getvalue()
     with pytest.raises(zb.InvalidArgumentError, match="progress"):
         zb.recompute_bn_stats(bn_net(), data, progress="yes")

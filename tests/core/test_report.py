@@ -369,6 +369,141 @@ def test_a_report_of_hundreds_of_buffers_is_short_unless_asked():
     assert len(small.format().splitlines()) == 2 + 3  # a small model: every row
 
 
+def _tree(n_differ: int, rank: int) -> nn.Module:
+    """A model of 4 stages x 11 blocks x 4 layers with 3 float buffers each (528), a head (2) and a root 'step':
+    531 buffers. Buffer k of a seeded shuffle differs on this rank by rank * (k + 1) / 1000 for k < n_differ, so
+    relative differences are distinct and the worst is the last one chosen, wherever the shuffle put it."""
+    model = nn.Module()
+    model.register_buffer("step", torch.full((1,), 2.0))
+    stages = nn.ModuleList()
+    for _ in range(4):
+        blocks = nn.ModuleList()
+        for _ in range(11):
+            layers = nn.ModuleList()
+            for _ in range(4):
+                layer = nn.Module()
+                for name in ("mean", "var", "count"):
+                    layer.register_buffer(name, torch.full((4,), 2.0))
+                layers.append(layer)
+            blocks.append(layers)
+        stages.append(blocks)
+    model.stages = stages
+    model.head = nn.Module()
+    model.head.register_buffer("codebook", torch.full((4,), 2.0))
+    model.head.register_buffer("cluster_size", torch.full((4,), 2.0))
+    names = [n for n, _ in model.named_buffers()]
+    order = torch.randperm(len(names), generator=torch.Generator().manual_seed(n_differ))
+    with torch.no_grad():
+        for k, i in enumerate(order[:n_differ].tolist()):
+            b = model.get_buffer(names[i])
+            b[k % b.numel()] += rank * (k + 1) / 1000
+    return model
+
+
+SIZES = (0, 1, 30, 120, 500)
+TOTAL = 531
+
+
+def _reports_of_many_sizes(rank, world):
+    out = {}
+    for n in SIZES:
+        model = _tree(n, rank)
+        report = zb.buffer_report(model)
+        try:
+            zb.assert_buffers_in_sync(model)
+            message = None
+        except zb.BuffersOutOfSyncError as e:
+            message = str(e)
+        out[n] = (report, message)
+    return out
+
+
+def _worst(report):
+    return max(report.out_of_sync, key=lambda r: (r.max_rel_diff, r.max_abs_diff))
+
+
+def test_a_report_stays_under_40_lines_lists_the_worst_and_counts_the_rest(ranks):
+    out = ranks.run(_reports_of_many_sizes, timeout=180)
+    for n in SIZES:
+        report, message = out[0][n]
+        assert all(o[n] == (report, message) for o in out), n  # the same report and message on every rank
+        assert len(report.rows) == TOTAL and len(report.out_of_sync) == n
+        text = str(report)
+        lines = text.splitlines()
+        assert len(lines) < 40, (n, len(lines), text)
+        assert lines[0].startswith(f"{n} of {TOTAL} buffers differ across ranks {list(range(ranks.world_size))}")
+        listed = [line.split()[0] for line in lines[2:] if line.split()[0] in {r.name for r in report.rows}]
+        bad = {r.name for r in report.out_of_sync}
+        in_sync = TOTAL - n
+        if n == 0:
+            assert len(lines) == 3 and f"({in_sync} buffers in sync not shown; format(full=True)" in lines[-1]
+            assert message is None
+            continue
+        assert lines[0].endswith(f"; differing ranks: {', '.join(map(str, range(1, ranks.world_size)))}")
+        assert _worst(report).name in listed, (n, text)  # the worst buffer by relative difference, always
+        assert set(listed) <= bad  # in a large model, in-sync rows are counted, not listed
+        if n <= 30:  # every differing buffer, in model order, and the in-sync ones counted
+            assert listed == [r.name for r in report.out_of_sync]
+            assert lines[-1] == f"({in_sync} buffers in sync not shown; format(full=True) shows every row)"
+        else:  # the 20 worst, worst first, the other differing buffers by module, every count adding up
+            by_rel = sorted(report.out_of_sync, key=lambda r: -r.max_rel_diff)
+            assert listed == [r.name for r in by_rel[:20]]
+            more = re.fullmatch(r"\(the 20 worst of (\d+) differing buffers listed, (\d+) more by module, (\d+) in "
+                                r"sync not shown; format\(full=True\) shows every row\)", lines[-1])
+            assert more is not None, lines[-1]
+            assert [int(g) for g in more.groups()] == [n, n - 20, in_sync]
+            title = next(i for i, line in enumerate(lines) if line.startswith("module "))
+            cut = [re.fullmatch(r"\.\.\. and (\d+) more modules, (\d+) differing buffers not listed", line)
+                   for line in lines[title + 1:-1] if line.startswith("...")]
+            modules = [re.match(r"(\S.*?)  +(\d+) of (\d+)  +(\d+)  ", line) for line in lines[title + 1:-1]
+                       if not line.startswith("...")]
+            assert all(cut) and all(modules), text
+            not_listed = sum(int(m[4]) for m in modules) + sum(int(c[2]) for c in cut)
+            assert not_listed == n - 20, (not_listed, text)
+            for m in modules:  # "stages.0  30 of 120  25  ..."
+                path = m[1]
+                inside = [r for r in report.rows if r.name.startswith(path + ".")
+                          or (path == "(top level)" and "." not in r.name)]
+                assert int(m[2]) == sum(not r.in_sync for r in inside) and int(m[3]) == len(inside), (path, text)
+        full = report.format(full=True).splitlines()
+        assert len(full) == 2 + TOTAL and [line.split()[0] for line in full[2:]] == [r.name for r in report.rows]
+        # assert_buffers_in_sync embeds the short table of the differing buffers: short, naming the worst
+        assert message is not None and len(message.splitlines()) < 40, (n, message)
+        assert f"\n{_worst(report).name} " in message and f"{n} of {TOTAL} buffers differ across ranks" in message
+        assert message.rsplit("\n", 1)[-1].startswith("Fix: ")
+
+
+def _row(name, rel, in_sync=False):
+    return zb.BufferRow(name, "float32", (4,), True, in_sync, 0.0 if in_sync else rel * 2, () if in_sync else (1,),
+                        0.0 if in_sync else rel)
+
+
+def test_the_short_form_sums_up_by_module_at_the_deepest_level_that_fits():
+    # 40 leaf modules under one parent: the level that fits (one module) says nothing, so one level deeper, cut
+    rows = [_row(f"encoder.layers.{i}.norm.running_var", 0.001 * (i + 1)) for i in range(40)]
+    rows += [_row("step", 5.0), _row("head.scale", 0.0, in_sync=True)]
+    report = zb.BufferReport(tuple(rows), (0, 1), 0, 0.0)
+    pick = zb.report._select(report, False, None, False)
+    assert [r.name for r in pick.rows][:2] == ["step", "encoder.layers.39.norm.running_var"]
+    assert len(pick.rows) == 20 and pick.differing_hidden == 21
+    assert [m.path for m in pick.modules] == [f"encoder.layers.{i}" for i in range(20, 9, -1)]
+    assert pick.more_modules == 10 and pick.more_buffers == 10 and pick.in_sync_hidden == 1
+    assert sum(m.not_listed for m in pick.modules) + pick.more_buffers + 20 == 41
+    text = report.format()
+    assert "... and 10 more modules, 10 differing buffers not listed" in text and len(text.splitlines()) < 40
+    # a few modules: the deepest level, the model's own buffers as '(top level)'
+    rows = [_row(f"a.b{i % 3}.c{i}", 0.01 * (i + 1)) for i in range(40)] + [_row("x", 0.0001), _row("y", 0.0002)]
+    pick = zb.report._select(zb.BufferReport(tuple(rows), (0, 1), 0, 0.0), False, None, False)
+    assert {m.path for m in pick.modules} == {"a.b0", "a.b1", "a.b2", ""} and pick.more_modules == 0
+    assert "(top level)  2 of 2 " in zb.BufferReport(tuple(rows), (0, 1), 0, 0.0).format()
+    # limit: that many rows, the worst, the rest by module
+    small = zb.BufferReport(tuple(rows[:6]), (0, 1), 0, 0.0)
+    lines = small.format(limit=2).splitlines()
+    assert [line.split()[0] for line in lines[2:4]] == ["a.b2.c5", "a.b1.c4"]
+    assert lines[-1] == ("(the 2 worst of 6 differing buffers listed, 4 more by module; format(full=True) shows "
+                         "every row)")
+
+
 # ---- property: buffer_report flags exactly the buffers (and ranks) that differ ------------------------------------
 def _report_property_body(rank, world, spec):
     def values(k, b):

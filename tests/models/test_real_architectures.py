@@ -377,7 +377,8 @@ RIGHT = {4, 5}
 
 def _columns_line_up(message: str, rows: list[tuple]) -> None:
     """The out-of-sync table in the message: every cell starts (left-aligned) or ends (right-aligned) where its
-    title does, whatever the length of the names; no name is cut."""
+    title does, whatever the length of the names; no name is cut. Up to ``report.SHORT_ROWS`` differing buffers
+    every one is listed in model order; past that the ``report.WORST_ROWS`` worst, worst first, then the modules."""
     lines = message.split("\n")
     header = next(i for i, line in enumerate(lines) if line.startswith("buffer "))
     titles = lines[header]
@@ -387,7 +388,8 @@ def _columns_line_up(message: str, rows: list[tuple]) -> None:
         starts.append(pos)
         pos += len(t)
     bad = [r for r in rows if not r[4]]
-    shown = bad[:50]
+    worst_first = sorted(bad, key=lambda r: (-r[7], -r[5]))
+    shown = bad if len(bad) <= zb.report.SHORT_ROWS else worst_first[:zb.report.WORST_ROWS]
     for k, r in enumerate(shown):
         line = lines[header + 1 + k]
         cells = (r[0], r[1], str(list(r[2])), "NO", f"{r[5]:.4g}", f"{r[7]:.3g}", ", ".join(map(str, r[6])) or "-")
@@ -401,8 +403,9 @@ def _columns_line_up(message: str, rows: list[tuple]) -> None:
                 assert line[start:start + len(cell)] == cell and (start == 0 or line[start - 1] == " "), \
                     f"row {k} column {TITLES[i]!r}: {cell!r} not at {start}:\n{titles}\n{line}"
         assert len(r[0]) <= starts[1] - 2, f"name {r[0]!r} longer than its column"
-    if len(bad) > 50:
-        assert lines[header + 1 + 50] == f"... and {len(bad) - 50} more"
+    if len(bad) > zb.report.SHORT_ROWS:  # the rest summed up by module, and counted
+        assert lines[header + 1 + len(shown)].startswith("module "), lines[header + 1 + len(shown)]
+        assert f"the {len(shown)} worst of {len(bad)} differing buffers listed, {len(bad) - len(shown)} more" in message
 
 
 def _check_report(res: Results) -> None:

@@ -210,8 +210,8 @@ def _no_owner(rank, world, fwd):
 
 
 @pytest.mark.parametrize("fwd", [False, True], ids=["no_fwd_module", "fwd_module"])
-def test_a_parameter_no_module_registers_warns_on_every_rank(ranks2, fwd):
-    """Without an owner it warns once on every rank, naming what to pass, and commits the parameter alone;
+def test_a_parameter_no_module_registers_warns_once_on_the_first_rank(ranks2, fwd):
+    """Without an owner it warns once, on the group's first rank, naming what to pass, and commits the parameter alone;
     fwd_module, DeepSpeed's module that uses the parameter, stands in as its owner (its buffers reach every rank)."""
     for rank, (texts, value, scale) in enumerate(ranks2.run(_no_owner, fwd, timeout=120)):
         assert torch.equal(value, torch.full((2, 3), 5.0)), rank  # the parameter itself is committed everywhere
@@ -219,9 +219,10 @@ def test_a_parameter_no_module_registers_warns_on_every_rank(ranks2, fwd):
             assert texts == [] and scale == 9.0, (rank, texts, scale)
         else:
             assert scale == (9.0 if rank == 0 else rank), (rank, scale)
-            assert len(texts) == 1, (rank, texts)
-            assert "no module registers the ZeRO parameter(s) with ds_id" in texts[0]
-            assert "GatheredParametersAndBuffers(module, modifier_rank=0)" in texts[0]
+            assert len(texts) == (rank == 0), (rank, texts)
+            if rank == 0:
+                assert "no module registers the ZeRO parameter(s) with ds_id" in texts[0]
+                assert "GatheredParametersAndBuffers(module, modifier_rank=0)" in texts[0]
 
 
 def _owners_differ(rank, world):

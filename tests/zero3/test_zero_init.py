@@ -311,8 +311,9 @@ def _zero3_details(rank, world):
 
 def test_zero3_details_warning_refused_shape_change_and_include_parameters(ranks2):
     out = ranks2.run(_zero3_details, timeout=120)
-    for o in out:
-        assert len(o["warnings"]) == 1 and "got no ZeRO parameter" in o["warnings"][0], o["warnings"]
+    for rank, o in enumerate(out):  # once per job: on rank 0 only
+        assert len(o["warnings"]) == (rank == 0) and all("got no ZeRO parameter" in w for w in o["warnings"]), o
+
         one, every = o["rank 0"], o["every rank"]  # the shapes differ across ranks: the structure check says so
         assert one is not None and one[0] == "BufferStructureError" and "<ZeRO ds_id=" in one[1], one
         assert every is not None and every[0] == "SyncAbortedError", every  # equal shapes: the refusal says why

@@ -16,5 +16,6 @@ Nothing here imports a tool (``bn``, ``zero3``, ``training``, ``doctor``, ``broa
 - ``compare``: element-wise comparisons in float64, a chunk at a time, and the walk in logical order (shared by the
   report and the checkpoint doctor).
 - ``rollback``: snapshots of modules and their rollback, for transactions that run user code before they commit.
-- ``notice``: the library's warnings, some once per process.
+- ``notice``: what the library writes on stderr: its warnings, on the group's first rank only and some once per
+  process, and its progress reports (a bar on a terminal, plain lines elsewhere).
 """

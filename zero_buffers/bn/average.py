@@ -78,7 +78,7 @@ def average_bn_stats(module: nn.Module, *, group: Any = None, timeout: _args.Tim
                                    compute=compute, extra=stats_digest(g, entries, fn))
     layers = sum(total > 0 for total in merged[0].totals)
     if layers and len(set(contents)) == 1 and contents[0] != 0:
-        warn_identical(fn)
+        warn_identical(fn, g)
     return layers
 
 
@@ -93,13 +93,14 @@ def stats_digest(g: _group.Group, entries: list[tuple[str, torch.Tensor]], fn: s
         return 0
 
 
-def warn_identical(fn: str) -> None:
-    """Every rank held bitwise the same statistics (decided from every rank's digest, so every rank warns)."""
+def warn_identical(fn: str, group: _group.Group | None) -> None:
+    """Every rank held bitwise the same statistics (decided from every rank's digest, the same on every rank): said
+    once, by the first rank of ``group``."""
     _notice.warn(f"{fn}: every rank already held the same BatchNorm statistics (DDP's default broadcast_buffers=True "
                  "copies rank 0's into every rank before each forward, a distributed eval included), so the merge "
                  "changed nothing but the counters: these are one rank's statistics, not those of all ranks' data. "
                  "Recompute them instead: recompute_bn_stats(model, loader, global_batch=True), or the 'recompute' "
-                 "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4)
+                 "policy of sync_buffers / sync_buffers_on_save.", stacklevel=4, group=group)
 
 
 def _float64(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -19,6 +18,7 @@ from .._core import (
     args as _args,
     group as _group,
     modules as _modules,
+    notice as _notice,
     structure as _structure,
     transaction as _transaction,
     wire as _wire,
@@ -88,10 +88,12 @@ def recompute_bn_stats(model: nn.Module, data: Iterable[Any] | torch.Tensor | Ma
     A failure on any rank (data, forward, structure, collective) raises on every rank
     (:class:`RecomputeError`, naming each failing rank and its exception, for data/forward failures)
     and leaves every buffer unchanged; so does a call in which no rank had a batch. Without a process
-    group the statistics come from this process's data alone. A progress bar (tqdm, on stderr) is drawn on
-    the group's first rank only: with ``progress=None`` (the default, as everywhere in zero_buffers) when
-    stderr is a terminal, never into a log file; ``True`` / ``False`` force it. Returns the number of
-    layers written.
+    group the statistics come from this process's data alone. Progress is reported on stderr by the group's
+    first rank only: ``progress=None`` (the default, as everywhere in zero_buffers) reports when stderr is a
+    terminal and stays silent in a log; ``True`` reports anywhere, ``False`` never. On a terminal it is a tqdm
+    bar; anywhere else (a file, a pipe, a notebook) never a carriage return, but a plain line at most every 10
+    seconds (``recompute_bn_stats: 120/500 batches (24%), 10 s``) and a last one (``recompute_bn_stats: 500
+    batches in 41.3 s``). Returns the number of layers written.
 
     Example::
 
@@ -365,12 +367,11 @@ def _limit(data: Iterable[Any], num_batches: int | None) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _progress(data: Any, num_batches: int | None, show: bool) -> Iterator[Any]:
-    """A tqdm bar on the showing rank, else None."""
+    """The progress report on the showing rank, else None: a tqdm bar when stderr is a terminal, plain lines (at
+    most one per ``_core/notice.py``'s ``LINE_SECONDS``, and a last one) anywhere else."""
     if not show:
         yield None
         return
-    from tqdm.auto import tqdm
-
     total = 1 if isinstance(data, (torch.Tensor, Mapping)) else None
     if total is None:
         try:
@@ -379,11 +380,8 @@ def _progress(data: Any, num_batches: int | None, show: bool) -> Iterator[Any]:
             total = None
     if num_batches is not None:
         total = num_batches if total is None else min(total, num_batches)
-    bar = tqdm(total=total, desc=_FN, unit="batch", leave=False, file=sys.stderr)
-    try:
+    with _notice.bar(_FN, total, "batch", True) as bar:
         yield bar
-    finally:
-        bar.close()
 
 
 def _to(batch: Any, device: torch.device) -> Any:

@@ -82,7 +82,8 @@ class CheckpointReport:
                 f"atol={self.report.atol:g})")
 
     def table(self, full: bool = False) -> str:
-        """The per-buffer table ``buffer_report`` prints; short (the differing rows) for more than 40 buffers."""
+        """The per-buffer table ``buffer_report`` prints: under 40 lines unless ``full`` (every row up to 30 buffers;
+        past that the differing rows, or the 20 worst and the rest by module: ``BufferReport.format``)."""
         return self.report.format(head=self.verdict(), full=full)
 
     def format(self, full: bool = False) -> str:
@@ -167,13 +168,14 @@ def _opened(sources: Sequence[_Source], trust_pickle: bool, progress: bool | Non
         yield views
 
 
-def _bar(items: Sequence[Any], what: str, progress: bool | None) -> Iterable[Any]:
-    """tqdm on stderr when asked, or by default for 8 or more files on a terminal."""
-    show = progress if progress is not None else (len(items) >= 8 and sys.stderr.isatty())
+def _bar(items: Sequence[Any], what: str, progress: bool | None, unit: str = "file") -> Iterable[Any]:
+    """``items`` with a progress report on stderr when ``progress`` is true, or by default (None) for 8 or more
+    files on a terminal: a tqdm bar on a terminal; anywhere else never a carriage return, but a plain line at most
+    every 10 seconds and a last one (``_core/notice.py``: ``LINE_SECONDS``)."""
+    show = bool(progress) if progress is not None else (len(items) >= 8 and _notice.is_terminal(sys.stderr))
     if not show:
         return items
-    from tqdm import tqdm
-    return tqdm(items, desc=what, unit="file", file=sys.stderr, leave=False)
+    return _notice.iterate(items, what, unit, True)
 
 
 def _names(view: _ckpt_files.Tensors) -> list[str]:
@@ -336,7 +338,7 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         layers = _bn_layers(names)
         fresh = {p: tuple(i for i, v in enumerate(views) if _untrained(v, p, c)) for p, c in layers.items()}
         rows = []
-        for name in _bar(names, "comparing", progress is True and len(names) > 50):
+        for name in _bar(names, "comparing", progress is True and len(names) > 50, "buffer"):
             tensors = [v.get(name) for v in views]
             bad, worst, rel = _compare_one(tensors, atol)
             layer = next((name.removesuffix(s) for s in _STATS if name.endswith(s)), None)
@@ -399,7 +401,7 @@ _VERIFY_BYTES = 256 * 2 ** 20
 def _trust(trust_pickle: bool) -> None:
     if trust_pickle:
         _notice.warn("trust_pickle=True: unpickling the Python objects in these files can run arbitrary code; only for "
-                     "files you trust", once="trust_pickle", stacklevel=4)
+                     "files you trust", once="trust_pickle", stacklevel=4, here=True)  # not a collective: said here
 
 
 def _atol(atol: Any) -> float:

@@ -303,7 +303,7 @@ class KeepInSync:
 
     def _resolve(self) -> rules_mod.Plan:
         rules, strict, bn_default = self._declared
-        return rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default)
+        return rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default, group=self.g)
 
     def _tick(self) -> None:
         self._ticks += 1
@@ -379,7 +379,7 @@ class KeepInSync:
         if self._start == "zero":
             steady.begin(_Carry({}, {}))
             if self._identical_warning and len(set(extras)) == 1 and extras[0] not in (0, 1) and _counted(steady):
-                bn_average.warn_identical(self._identical_warning)
+                bn_average.warn_identical(self._identical_warning, g)
             return
         names = _start_names(steady)
         if len(set(extras)) == 1:  # every rank held the same at the start: all of it is shared
@@ -625,6 +625,7 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     g = _group.resolve(group, _FN)
     _group.check_src(g, src, _FN)
     strict = _args.flag(strict, "strict", _FN)
-    plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default)
+    plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default,
+                             group=group if g is None else g)
     return KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine,
                       _start, _identical_warning)

@@ -190,10 +190,11 @@ def parse(rules: Rules | None, fn: str) -> tuple[dict[str, str], dict[Any, Any]]
 
 
 def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = False,
-            bn_default: str = "bn") -> Plan:
+            bn_default: str = "bn", group: Any = None) -> Plan:
     """Every buffer of ``module`` with its rule; InvalidArgumentError (the same on every rank that has the same model
     and rules) for unknown rules, rules claimed twice, ``"bn"`` outside BatchNorm statistics, ``"mean"`` on integers
-    or bools, ``"sum"`` on bools; globs and classes that match nothing warn once (raise with ``strict=True``)."""
+    or bools, ``"sum"`` on bools; globs and classes that match nothing warn once, on the first rank of ``group``
+    (raise with ``strict=True``)."""
     patterns, classes = parse(rules, fn)
     used: set[Any] = set()
     assigned: list[Assigned] = []
@@ -243,7 +244,7 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
         message = f"{fn}(): rule {what!r} matches no buffer of the model"
         if strict:
             raise InvalidArgumentError(message + " (strict=True). No buffer was modified")
-        _notice.warn(message, once=f"rules:{what}", stacklevel=4)
+        _notice.warn(message, once=f"rules:{what}", stacklevel=4, group=group)
     bns = []
     rule_of = {id(a.tensor): a.rule for a in assigned}
     for bn in layers:

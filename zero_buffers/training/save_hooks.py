@@ -95,7 +95,7 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     if rules is not None:  # the rules checked before any collective, with or without a process group
         rules_mod.parse(rules, fn)
         try:  # what depends on this rank's model: a rank that cannot plan tells its peers in their first collective
-            plan = _plan(inner, rules, policy, strict, fn)
+            plan = _plan(inner, rules, policy, strict, fn, group if g is None else g)
         except InvalidArgumentError as e:
             if g is None:
                 raise
@@ -121,9 +121,12 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     return _commit(g, inner, str(policy), src, sums, deadline, fn)
 
 
-def _plan(inner: nn.Module, rules: rules_mod.Rules, policy: str | None, strict: bool, fn: str) -> rules_mod.Plan:
-    """The rules resolved on ``inner`` (InvalidArgumentError for what this model cannot take)."""
-    plan = rules_mod.resolve(inner, rules, fn, strict=strict, bn_default="broadcast" if policy == "broadcast" else "bn")
+def _plan(inner: nn.Module, rules: rules_mod.Rules, policy: str | None, strict: bool, fn: str,
+          group: Any = None) -> rules_mod.Plan:
+    """The rules resolved on ``inner`` (InvalidArgumentError for what this model cannot take); ``group``: the call's,
+    whose first rank warns."""
+    plan = rules_mod.resolve(inner, rules, fn, strict=strict, bn_default="broadcast" if policy == "broadcast" else "bn",
+                             group=group)
     if policy == "recompute":
         stats = {id(t) for _, t in _modules.bn_stat_entries(_modules.tracking_bn(inner))}
         odd = [a for a in plan.assigned if a.rule != "bn" and id(a.tensor) in stats]
@@ -175,7 +178,7 @@ def _commit(g: _group.Group, inner: nn.Module, policy: str, src: int, sums: bn_r
     contents = _transaction.commit(g, (fn, policy, src), entries, deadline, fn, prepare=prepare, exchange=exchange,
                                    compute=compute, apply=apply, extra=content)
     if policy == "average" and len(set(contents)) == 1 and contents[0] != 0:
-        bn_average.warn_identical(f"{fn}(policy='average')")
+        bn_average.warn_identical(f"{fn}(policy='average')", g)
     return len(entries)
 
 

@@ -7,7 +7,6 @@ all or nothing). The public class resolves the arguments and hands over to one o
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -178,7 +177,7 @@ class _Commit:
             _transaction.abort_if_any(self.g, [s for s, _ in votes], failure, deadline, _FN,
                                       "entering failed", "nothing was gathered")
             if self.found is not None and self.found.unowned:  # agreed: every rank found no owner for the same ones
-                _notice.warn(_no_owner_text(self.found.unowned, self.src), stacklevel=4)
+                _notice.warn(_no_owner_text(self.found.unowned, self.src), stacklevel=4, group=self.g)
         if self.gather is not None:
             self.gather.__enter__()
             self.gathered = [(p, p.data) for p in self.zero]  # references: a rollback gives each its data back
@@ -242,7 +241,8 @@ class _Commit:
         if self.gather is not None:
             self.gather.close("discard")
         if problems:
-            warnings.warn(f"{_FN}: could not restore " + "; ".join(problems), RuntimeWarning, stacklevel=4)
+            _notice.warn(f"{_FN}: rank {_group.global_rank()} could not restore " + "; ".join(problems), stacklevel=5,
+                         here=True, category=RuntimeWarning)  # this rank's own failure: said where it happened
 
 
 class GatheredParametersAndBuffers:

@@ -2,7 +2,6 @@
 opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,7 +9,14 @@ import torch
 from torch import nn
 
 from .._compat import deepspeed as ds_compat, transformers as hf_compat
-from .._core import args as _args, group as _group, modules as _modules, transaction as _transaction, wire as _wire
+from .._core import (
+    args as _args,
+    group as _group,
+    modules as _modules,
+    notice as _notice,
+    transaction as _transaction,
+    wire as _wire,
+)
 from ..broadcast import broadcast_buffers
 from ..errors import ZeroBuffersError
 from . import _owners
@@ -367,6 +373,7 @@ def _after_from_pretrained(model: Any, src: int, timeout: float | None) -> None:
 
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
+    """Once per process, on the default group's first rank (every rank runs the same GatheredParameters)."""
+    if key not in _warned and _notice.first_rank():
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        _notice.warn(message, stacklevel=4, category=RuntimeWarning)
