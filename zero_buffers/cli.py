@@ -39,7 +39,15 @@ EXAMPLES = {
 }
 
 DEFAULT_TIMEOUT = 900.0  # a script without BUDGET_SECONDS
-MIN_TIMEOUT = 120.0
+MIN_TIMEOUT = 120.0  # the least a budgeted script gets; $ZERO_BUFFERS_MIN_TIMEOUT lowers it (the CLI's own tests)
+
+
+def _min_timeout() -> float:
+    try:
+        value = float(os.environ.get("ZERO_BUFFERS_MIN_TIMEOUT", MIN_TIMEOUT))
+    except ValueError:
+        return MIN_TIMEOUT
+    return value if value > 0 else MIN_TIMEOUT
 
 
 def _examples(*names: str, more: tuple[tuple[str, str], ...] = ()) -> str:
@@ -105,10 +113,10 @@ class Limit:
         found = budget(path)
         if found is None:
             return cls(DEFAULT_TIMEOUT, f"the default {DEFAULT_TIMEOUT:g} s for a script without a time budget")
-        own = found[mode]
-        if 4.0 * own >= MIN_TIMEOUT:
+        own, least = found[mode], _min_timeout()
+        if 4.0 * own >= least:
             return cls(4.0 * own, f"its time budget, 4x its {own} s on an idle machine")
-        return cls(MIN_TIMEOUT, f"the least time budget a script gets; its own is {own} s on an idle machine")
+        return cls(least, f"the least time budget a script gets; its own is {own} s on an idle machine")
 
 
 def default_backend(nproc: int) -> str:
@@ -325,12 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "on data of its own offset, and save it: a checkpoint whose ranks' BatchNorm statistics "
                         "differ. It prints the files written and the commands to try next.",
                         epilog=_examples("example-checkpoint", more=(
-                            ("zero-buffers example-checkpoint demo_pt --kind per-rank",
-                             "one torch.save file per rank instead"),)))
+                            ("zero-buffers example-checkpoint demo_z3 --kind zero3",
+                             "a real DeepSpeed ZeRO-3 checkpoint instead"),)))
     ex.add_argument("dir", metavar="DIR", help="a new folder (or an empty one) to write the checkpoint into")
-    ex.add_argument("--kind", choices=["zero3", "per-rank", "dcp"], default="zero3",
-                    help="zero3 (default): a DeepSpeed ZeRO-3 checkpoint; per-rank: one torch.save file per rank; "
-                         "dcp: a torch.distributed.checkpoint folder")
+    ex.add_argument("--kind", choices=["per-rank", "zero3", "dcp"], default="per-rank",
+                    help="per-rank (default, torch alone): one torch.save file per rank; zero3: a DeepSpeed ZeRO-3 "
+                         "checkpoint (needs DeepSpeed); dcp: a torch.distributed.checkpoint folder")
     ex.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2, at least 2)")
     ex.add_argument("--timeout", type=float, default=300,
                     help="seconds before the ranks are killed (default 300)")

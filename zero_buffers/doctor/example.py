@@ -53,8 +53,8 @@ class Example:
                  f"({self.seconds:.1f} s)"]
         lines += [f"  {f}" for f in self.files]
         lines.append("try next:")
-        width = max(len(c) for c, _ in self.next_steps)
-        lines += [f"  {c:<{width}}  # {why}" for c, why in self.next_steps]
+        for command, why in self.next_steps:
+            lines += [f"  # {why}", f"  {command}"]
         return "\n".join(lines)
 
 
@@ -77,7 +77,8 @@ def next_steps(folder: Path, kind: str) -> tuple[tuple[str, str], ...]:
              "a copy with the statistics merged; its diff exits 0"))
 
 
-def write_example(folder: str | os.PathLike, kind: str = "zero3", nproc: int = 2, timeout: float = 300.0) -> Example:
+def write_example(folder: str | os.PathLike, kind: str = "per-rank", nproc: int = 2, timeout: float = 300.0
+                  ) -> Example:
     """Write the example checkpoint into ``folder`` (new, or an empty folder) on ``nproc`` local CPU ranks.
 
     Raises :class:`ExampleError` when ``folder`` exists and is not empty (nothing is written then), when a rank
@@ -90,6 +91,12 @@ def write_example(folder: str | os.PathLike, kind: str = "zero3", nproc: int = 2
         raise ExampleError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
         raise ExampleError(f"the example needs at least 2 ranks (their statistics differ), got {nproc!r}")
+    if kind == "zero3":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ExampleError("--kind zero3 needs DeepSpeed (pip install deepspeed); --kind per-rank needs torch "
+                               "alone")
     out = Path(folder)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ExampleError(f"{out}: exists and is not a folder; name a new folder")
