@@ -1,17 +1,59 @@
-"""The ``zero-buffers`` command: the repro scripts (list, repro) and the checkpoint doctor (inspect, diff, repair)."""
+"""The ``zero-buffers`` command: the checkpoint doctor (inspect, diff, repair), a checkpoint to try it on
+(example-checkpoint) and the repro scripts (list, repro).
+
+Every message names the command line's flags (``--in-place``, ``-o``); the doctor's errors carry their arguments as
+data (``doctor._words``) and are spelled here. A bare ``zero-buffers`` prints the help and exits 0: it asked for
+nothing wrong, only for orientation. Usage errors exit 2, as argparse's do.
+"""
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
+import threading
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from . import _proc
+from . import __version__, _proc
+
+DESCRIPTION = ("Keep PyTorch module buffers (BatchNorm statistics, codebooks, counters) correct across ranks. "
+               "Find and repair diverged buffers in checkpoints already written, offline (inspect, diff, repair); "
+               "make a small checkpoint to try that on (example-checkpoint); run the bundled repro scripts, each a "
+               "bug and its fixes on real local ranks (list, repro).")
+
+EXAMPLES = {
+    "example-checkpoint": ("zero-buffers example-checkpoint demo", "write a small checkpoint whose ranks diverged"),
+    "inspect": ("zero-buffers inspect demo", "what a checkpoint holds: kind, ranks, buffers, counters"),
+    "diff": ("zero-buffers diff demo", "which buffers differ across its ranks (exit 1 when any does)"),
+    "repair": ("zero-buffers repair demo -o demo_fixed", "a copy in which every rank holds the same buffers"),
+    "list": ("zero-buffers list", "the bundled repro scripts, one line each"),
+    "repro": ("zero-buffers repro buffers_diverge", "run one on 2 local ranks: its bug and each fix, in a table"),
+}
+
+DEFAULT_TIMEOUT = 900.0  # a script without BUDGET_SECONDS
+MIN_TIMEOUT = 120.0  # the least a budgeted script gets; $ZERO_BUFFERS_MIN_TIMEOUT lowers it (the CLI's own tests)
+
+
+def _min_timeout() -> float:
+    try:
+        value = float(os.environ.get("ZERO_BUFFERS_MIN_TIMEOUT", MIN_TIMEOUT))
+    except ValueError:
+        return MIN_TIMEOUT
+    return value if value > 0 else MIN_TIMEOUT
+
+
+def _examples(*names: str, more: tuple[tuple[str, str], ...] = ()) -> str:
+    rows = [EXAMPLES[n] for n in names] + list(more)
+    width = max(len(c) for c, _ in rows)
+    return "example" + ("s" if len(rows) > 1 else "") + ":\n" + "\n".join(f"  {c:<{width}}  {w}" for c, w in rows)
 
 
 def repro_dir() -> Path:
@@ -27,6 +69,54 @@ def scripts(folder: Path) -> dict[str, str]:
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         out[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
     return out
+
+
+def budget(path: Path) -> dict[str, int] | None:
+    """A script's ``BUDGET_SECONDS = {"quick": int, "full": int}`` (seconds on an idle 2-core machine), read with
+    ``ast``, never by importing the script; None when it has none (or not a literal of that shape)."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        target: ast.expr
+        expr: ast.expr | None
+        if isinstance(node, ast.AnnAssign):
+            target, expr = node.target, node.value
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, expr = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "BUDGET_SECONDS" and expr is not None:
+            try:
+                value = ast.literal_eval(expr)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return None
+            if isinstance(value, dict) and set(value) == {"quick", "full"} and all(
+                    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values()):
+                return value
+            return None
+    return None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """How long one script may run, and why (the words of the summary)."""
+
+    seconds: float
+    why: str
+
+    @classmethod
+    def of(cls, path: Path, mode: str, given: float | None) -> Limit:
+        if given is not None:
+            return cls(given, f"--timeout {given:g}")
+        found = budget(path)
+        if found is None:
+            return cls(DEFAULT_TIMEOUT, f"the default {DEFAULT_TIMEOUT:g} s for a script without a time budget")
+        own, least = found[mode], _min_timeout()
+        if 4.0 * own >= least:
+            return cls(4.0 * own, f"its time budget, 4x its {own} s on an idle machine")
+        return cls(least, f"the least time budget a script gets; its own is {own} s on an idle machine")
 
 
 def default_backend(nproc: int) -> str:
@@ -56,48 +146,120 @@ def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(path)]
 
 
-def run_one(path: Path, nproc: int, backend: str, timeout: float, launcher: str = "torchrun",
-            quick: bool = False) -> tuple[int, float]:
-    """Run one script on ``nproc`` local ranks; returns (exit code, seconds).
+QUIET = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
-    The launcher runs in its own session; on timeout (exit code 124), Ctrl-C or exit, its process group and
-    every rank it started (torchrun gives each rank a session of its own) are killed.
+
+def child_env(backend: str, full: bool, verbose: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a repro script runs in: ``ZB_BACKEND``, ``ZB_FULL=1`` for the full run, ``ZB_VERBOSE=1``
+    with ``--verbose``; without it, other libraries' progress bars and chatter off (each only where the user has not
+    set it). ``DS_ACCELERATOR=cpu`` on gloo skips DeepSpeed's "Setting accelerator to CPU" warning."""
+    env = dict(os.environ if base is None else base, ZB_BACKEND=backend)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("ZB_QUICK", None)
+    env.pop("ZB_FULL", None)
+    env.pop("ZB_VERBOSE", None)
+    if full:
+        env["ZB_FULL"] = "1"
+    if verbose:
+        env["ZB_VERBOSE"] = "1"
+    else:
+        for k, v in QUIET.items():
+            env.setdefault(k, v)
+        if backend == "gloo":
+            env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One script's run: its exit code (None when killed), seconds, whether its table said a fix did not hold."""
+
+    name: str
+    code: int | None
+    seconds: float
+    limit: Limit
+    fix_failed: bool
+    printed_result: bool
+
+
+def _pump(stream: IO[bytes], seen: list[bytes]) -> None:
+    """Copy the script's output to ours as it comes, remembering its RESULT line."""
+    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+    for line in iter(stream.readline, b""):
+        if line.startswith(b"RESULT:"):
+            seen.append(line)
+        if out is not None:
+            out.write(line)
+            out.flush()
+        else:
+            sys.stdout.write(line.decode(errors="replace"))
+            sys.stdout.flush()
+
+
+def run_one(path: Path, nproc: int, backend: str, limit: Limit, launcher: str = "torchrun", full: bool = False,
+            verbose: bool = False) -> Outcome:
+    """Run one script on ``nproc`` local ranks, its output shown as it comes.
+
+    The launcher runs in its own session with a tag in its environment; past ``limit`` seconds, on Ctrl-C and after
+    it exits, its process group and every tagged process (torchrun gives each rank a session of its own) are killed.
     """
-    env = dict(os.environ, ZB_BACKEND=backend, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if quick:
-        env["ZB_QUICK"] = "1"
+    tag = f"ZERO_BUFFERS_RUN_{uuid.uuid4().hex}"
+    env = child_env(backend, full, verbose)
+    env[tag] = "1"
     cmd = launch_command(path, nproc, launcher)
+    seen: list[bytes] = []
     started = time.monotonic()
-    try:
-        code = _proc.run(cmd, timeout, env=env).returncode
-    except subprocess.TimeoutExpired:
-        print(f"zero-buffers: {path.stem} did not finish within {timeout:g} s; killed it and every rank it started",
-              file=sys.stderr)
-        code = 124
-    return code, time.monotonic() - started
+    code: int | None
+    with subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        pump = threading.Thread(target=_pump, args=(proc.stdout, seen), daemon=True)
+        pump.start()
+        try:
+            code = proc.wait(timeout=limit.seconds)
+        except subprocess.TimeoutExpired:
+            print(f"zero-buffers: {path.stem} did not finish within {limit.seconds:g} s ({limit.why}); killed it "
+                  "and every rank it started", file=sys.stderr, flush=True)
+            code = None
+        finally:
+            _proc.kill_tree(proc, tag)
+            pump.join(timeout=10)
+    seconds = time.monotonic() - started
+    failed = any(b"DOES NOT HOLD" in line.upper() for line in seen)
+    return Outcome(path.stem, code, seconds, limit, failed, bool(seen))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``zero-buffers``."""
-    parser = argparse.ArgumentParser(prog="zero-buffers", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list the repro scripts")
-    rp = sub.add_parser("repro", help="run one repro script (or all of them) on N local ranks")
-    rp.add_argument("name", nargs="?", help="script name from 'zero-buffers list' (default: all)")
-    rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
-    rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                    help="default: nccl with one GPU per rank, else gloo on CPU")
-    rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
-                    help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
-    rp.add_argument("--timeout", type=float, default=900,
-                    help="seconds per script, then it and all its ranks are killed (default 900)")
-    rp.add_argument("--quick", action="store_true",
-                    help="a smaller run where a script offers one (ddp_bn_checkpoint: a quarter of ResNet-34's width)")
-    _doctor_parsers(sub)
-    args = parser.parse_args(argv)
-    if args.command in ("inspect", "diff", "repair"):
-        return doctor(args)
+def _rerun(o: Outcome, args: argparse.Namespace, backend: str, timeout: float | None = None) -> str:
+    cmd = ["zero-buffers", "repro", o.name]
+    if args.nproc != 2:
+        cmd += ["--nproc", str(args.nproc)]
+    if args.backend:
+        cmd += ["--backend", backend]
+    if args.launcher != "torchrun":
+        cmd += ["--launcher", args.launcher]
+    if args.full:
+        cmd.append("--full")
+    if timeout is not None:
+        cmd += ["--timeout", f"{timeout:g}"]
+    return shlex.join(cmd)
 
+
+def _status(o: Outcome, args: argparse.Namespace, backend: str) -> str:
+    """One script's line of the summary, in words."""
+    if o.code is None:
+        more = 60 * math.ceil(4 * o.limit.seconds / 60)
+        return (f"KILLED after {o.limit.seconds:g} s ({o.limit.why}); rerun alone: "
+                f"{_rerun(o, args, backend, more)}")
+    if o.code == 0:
+        return f"ok ({o.seconds:.1f} s)"
+    if o.fix_failed:
+        return f"FAILED (exit {o.code}): a fix did not hold, see its table above"
+    if not o.printed_result:
+        return (f"FAILED (exit {o.code}): it stopped before its table, see its error above; rerun alone: "
+                f"{_rerun(o, args, backend)}")
+    return f"FAILED (exit {o.code}) after its table, see its output above"
+
+
+def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     folder = repro_dir()
     found = scripts(folder) if folder.is_dir() else {}
     if not found:
@@ -110,23 +272,104 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    if not args.timeout > 0:
+    if args.timeout is not None and not args.timeout > 0:
         parser.error("--timeout must be > 0")
+    if args.quick:
+        print("zero-buffers: --quick is the default now and does nothing; --full runs the full-width tables",
+              file=sys.stderr)
     names = [args.name] if args.name else list(found)
     unknown = [n for n in names if n not in found]
     if unknown:
         parser.error(f"unknown repro {unknown[0]!r}; choose from: {', '.join(found)}")
     backend = args.backend or default_backend(args.nproc)
-    summary = []
+    mode = "full" if args.full else "quick"
+    outcomes = []
     for name in names:
-        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher {args.launcher}",
-              flush=True)
-        code, seconds = run_one(folder / f"{name}.py", args.nproc, backend, args.timeout, args.launcher, args.quick)
-        summary.append((name, code, seconds))
+        path = folder / f"{name}.py"
+        limit = Limit.of(path, mode, args.timeout)
+        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher {args.launcher}"
+              f"{' --full' if args.full else ''}  ({mode} run, at most {limit.seconds:g} s)", flush=True)
+        outcomes.append(run_one(path, args.nproc, backend, limit, args.launcher, args.full, args.verbose))
     print("\n=== summary")
-    for name, code, seconds in summary:
-        print(f"{name:<32} {'ok' if code == 0 else f'FAILED (exit {code})':<18} {seconds:6.1f} s")
-    return 0 if all(code == 0 for _, code, _ in summary) else 1
+    width = max(len(o.name) for o in outcomes)
+    for o in outcomes:
+        print(f"{o.name:<{width}}  {_status(o, args, backend)}")
+    bad = [o for o in outcomes if o.code != 0]
+    if not bad:
+        print(f"all {len(outcomes)} ran and every fix held" if len(outcomes) > 1 else "it ran and every fix held")
+        return 0
+    print(f"{len(bad)} of {len(outcomes)} did not pass: {', '.join(o.name for o in bad)}")
+    return 1
+
+
+# -- the parser ------------------------------------------------------------------------------------------------------
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps the prose of descriptions and epilogs; keeps the layout of indented blocks (the examples)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        out = []
+        for para in text.split("\n\n"):
+            if any(line.startswith("  ") for line in para.splitlines()[1:]):
+                out.append(para)
+            else:
+                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-buffers", description=DESCRIPTION, formatter_class=_Formatter,
+                                     epilog=_examples(*EXAMPLES) + "\n\n'zero-buffers COMMAND --help' tells more.")
+    parser.add_argument("--version", action="version", version=f"zero-buffers {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                                help="one of the commands below")
+    ex = sub.add_parser("example-checkpoint", help="write a small checkpoint whose ranks diverged, to try the "
+                        "doctor on", formatter_class=_Formatter,
+                        description="Train a tiny BatchNorm network a few steps on local CPU ranks (gloo), each rank "
+                        "on data of its own offset, and save it: a checkpoint whose ranks' BatchNorm statistics "
+                        "differ. It prints the files written and the commands to try next.",
+                        epilog=_examples("example-checkpoint", more=(
+                            ("zero-buffers example-checkpoint demo_z3 --kind zero3",
+                             "a real DeepSpeed ZeRO-3 checkpoint instead"),)))
+    ex.add_argument("dir", metavar="DIR", help="a new folder (or an empty one) to write the checkpoint into")
+    ex.add_argument("--kind", choices=["per-rank", "zero3", "dcp"], default="per-rank",
+                    help="per-rank (default, torch alone): one torch.save file per rank; zero3: a DeepSpeed ZeRO-3 "
+                         "checkpoint (needs DeepSpeed); dcp: a torch.distributed.checkpoint folder")
+    ex.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2, at least 2)")
+    ex.add_argument("--timeout", type=float, default=300,
+                    help="seconds before the ranks are killed (default 300)")
+    _doctor_parsers(sub)
+    sub.add_parser("list", help="list the bundled repro scripts", formatter_class=_Formatter,
+                   description="List the bundled repro scripts, one line each: its name and what it shows.",
+                   epilog=_examples("list"))
+    rp = sub.add_parser("repro", help="run one repro script (or all of them) on N local ranks",
+                        formatter_class=_Formatter,
+                        description="Run a bundled repro script (or every one) on N local ranks: each prints a table "
+                        "of a bug and its fixes and exits 1 when a fix does not hold. A quick run by default; each "
+                        "script is killed with all its ranks past its time budget (4x its seconds on an idle "
+                        "2-core machine, at least 120 s) or --timeout.",
+                        epilog=_examples("repro", more=(
+                            ("zero-buffers repro ddp_bn_checkpoint --full", "the full-width table the docs quote"),
+                            ("zero-buffers repro", "every script, then a summary"))))
+    rp.add_argument("name", nargs="?", metavar="NAME", help="a script name from 'zero-buffers list' (default: all)")
+    rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
+    rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                    help="default: nccl with one GPU per rank, else gloo on CPU")
+    rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
+                    help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
+    rp.add_argument("--full", action="store_true",
+                    help="the full-size run the docs' tables quote (default: a quick run, where a script has one)")
+    rp.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # deprecated: the default now, a no-op
+    rp.add_argument("--verbose", action="store_true",
+                    help="keep other libraries' logs and progress bars (hidden by default)")
+    rp.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="seconds per script, then it and all its ranks are killed (default: 4x the script's time "
+                         f"budget, at least {MIN_TIMEOUT:g}; {DEFAULT_TIMEOUT:g} for a script without one)")
+    return parser
 
 
 def _doctor_parsers(sub: Any) -> None:
@@ -140,22 +383,43 @@ def _doctor_parsers(sub: Any) -> None:
     check = argparse.ArgumentParser(add_help=False)
     check.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
                        help="check every .pt archive's CRC-32 first (default: files up to 256 MiB; repair: always)")
-    ins = sub.add_parser("inspect", parents=[common, check],
-                         help="what a checkpoint holds: kind, ranks, buffers, counters")
-    ins.add_argument("path")
+    where = ("a checkpoint: a DeepSpeed folder (or one of its tag folders), a folder of per-rank files, a DCP "
+             "folder, an Accelerate save_state folder, or one state-dict file")
+    ins = sub.add_parser("inspect", parents=[common, check], formatter_class=_Formatter,
+                         help="what a checkpoint holds: kind, ranks, buffers, counters",
+                         description="Say what a checkpoint holds: its kind, its ranks, its buffers, its BatchNorm "
+                         "counters, BatchNorm layers still at their initial values on some ranks, and whether its "
+                         "ranks agree. Reads lazily, writes nothing; exit 0 unless it cannot be read (2).",
+                         epilog=_examples("inspect"))
+    ins.add_argument("paths", nargs="+", metavar="PATH", help=where + " (one; diff compares several)")
     ins.add_argument("--json", action="store_true", help="one JSON object instead of text")
     ins.add_argument("--all", action="store_true", help="also print the per-buffer table")
-    df = sub.add_parser("diff", parents=[common, check],
-                        help="per buffer, whether the ranks of a checkpoint (or several files) agree; exit 1 if not")
-    df.add_argument("paths", nargs="+", metavar="PATH")
+    df = sub.add_parser("diff", parents=[common, check], formatter_class=_Formatter,
+                        help="per buffer, whether the ranks of a checkpoint (or several files) agree; exit 1 if not",
+                        description="Compare every buffer across the ranks of one checkpoint, or across several "
+                        "files (each against the first). Exit 0 when all agree, 1 when something differs, 2 when a "
+                        "checkpoint cannot be read or an --only pattern matches nothing.",
+                        epilog=_examples("diff", more=(
+                            ("zero-buffers diff train.pt export.safetensors", "a checkpoint against its export"),
+                            ("zero-buffers diff demo --only '*running_*'", "the BatchNorm statistics only"))))
+    df.add_argument("paths", nargs="+", metavar="PATH", help=where + "; several: each compared with the first")
     df.add_argument("--atol", type=float, default=0.0, help="tolerance (default 0: bitwise identical)")
     df.add_argument("--only", action="append", default=[], metavar="PATTERN",
-                    help="compare only buffers whose name matches this glob (repeatable)")
+                    help="compare only buffers whose name matches this glob (repeatable; one that matches "
+                         "nothing is an error)")
     df.add_argument("--json", action="store_true", help="one JSON object, with one object per buffer")
     df.add_argument("--all", action="store_true", help="every row, also for models with many buffers")
-    rp = sub.add_parser("repair", parents=[common], help="write a copy where every rank holds the same buffers")
-    rp.add_argument("path")
-    rp.add_argument("-o", "--out", help="new folder for the repaired copy (must not exist)")
+    rp = sub.add_parser("repair", parents=[common], formatter_class=_Formatter,
+                        help="write a copy where every rank holds the same buffers",
+                        description="Write a copy of a per-rank checkpoint (DeepSpeed ZeRO-3, per-rank files) in "
+                        "which every rank holds the same buffers: BatchNorm statistics merged exactly, other "
+                        "buffers from one rank. The input is never written unless --in-place; a failed repair "
+                        "leaves nothing behind.",
+                        epilog=_examples("repair", more=(
+                            ("zero-buffers repair demo --in-place", "replace the folder itself, atomically"),)))
+    rp.add_argument("path", metavar="PATH", help="the per-rank checkpoint to repair (a DeepSpeed ZeRO-3 folder or "
+                    "a folder of per-rank files)")
+    rp.add_argument("-o", "--out", metavar="OUT", help="new folder for the repaired copy (must not exist)")
     rp.add_argument("--in-place", action="store_true",
                     help="replace the input folder (one atomic exchange; a crash leaves the old or the new one)")
     rp.add_argument("--recover", action="store_true",
@@ -166,51 +430,93 @@ def _doctor_parsers(sub: Any) -> None:
     rp.add_argument("--src", type=int, default=0, help="rank whose buffers are taken (default 0)")
 
 
-def doctor(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``zero-buffers``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command in ("inspect", "diff", "repair"):
+        return doctor(args, argv)
+    if args.command == "example-checkpoint":
+        return example(args)
+    return repro(args, parser)
+
+
+def example(args: argparse.Namespace) -> int:
+    """Write the example checkpoint; exit 2 when the folder is not empty or a rank fails."""
+    from .doctor.example import ExampleError, write_example
+
+    try:
+        done = write_example(args.dir, args.kind, args.nproc, args.timeout)
+    except ExampleError as e:
+        print(f"zero-buffers example-checkpoint: {e}", file=sys.stderr)
+        return 2
+    print(done.format())
+    return 0
+
+
+def doctor(args: argparse.Namespace, argv: list[str]) -> int:
     """Run inspect / diff / repair: exit 0 when all agree (or the repair is written), 1 when buffers differ,
     2 when a checkpoint cannot be read or repaired."""
+    from .doctor import _words
     from .doctor.repair import recover_checkpoint, repair_checkpoint
     from .doctor.report import checkpoint_report
     from .errors import ZeroBuffersError
 
+    def refuse(message: str) -> int:
+        print(f"zero-buffers {args.command}: {message}", file=sys.stderr)
+        return 2
+
+    if args.command == "inspect" and len(args.paths) > 1:
+        again = list(argv)
+        again[again.index("inspect")] = "diff"
+        return refuse(f"takes one checkpoint, got {len(args.paths)} paths; diff compares several, each with the "
+                      f"first:\n  zero-buffers {shlex.join(again)}")
     common = {"tag": args.tag, "trust_pickle": args.trust_pickle, "progress": args.progress}
     if args.command != "repair":
         common["verify"] = args.verify
     try:
         if args.command == "repair" and args.recover:
             if args.out is not None or args.in_place:
-                print("zero-buffers repair: --recover does no repair; give it without -o and --in-place",
-                      file=sys.stderr)
-                return 2
+                return refuse("--recover does no repair; give it without -o and --in-place")
             done = recover_checkpoint(args.path)
             print("\n".join(done) if done else f"{args.path}: nothing to recover (no leftovers of an interrupted "
                                                 "repair beside or inside it)")
             return 0
         if args.command == "repair":
             if (args.out is None) == (not args.in_place):
-                print("zero-buffers repair: give exactly one of -o OUT and --in-place (or --recover)", file=sys.stderr)
-                return 2
-            print(repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src, in_place=args.in_place,
-                                    **common).format())
+                return refuse("give exactly one of -o OUT (a new folder) and --in-place (or --recover)")
+            result = repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src,
+                                       in_place=args.in_place, **common)
+            print(result.format())
             return 0
         if args.command == "inspect":
-            report = checkpoint_report(args.path, **common)
+            report = checkpoint_report(args.paths[0], **common)
         else:
             report = checkpoint_report(*args.paths, atol=args.atol, only=args.only, **common)
     except (ZeroBuffersError, OSError) as e:  # OSError: an output folder that cannot be made, a full disk ...
-        print(f"zero-buffers {args.command}: {e}", file=sys.stderr)
-        return 2
+        return refuse(_words.error_text(e))
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     elif args.command == "inspect":
-        print(report.format(full=args.all))
+        text = report.format(full=args.all)
+        for w in report.warnings:
+            text = text.replace(str(w), _words.for_cli(w))
+        print(text)
     else:
         print(report.heading())
         if not report.per_rank and len(report.sources) > 1:
             print("\n".join(f"  source {i}: {s}" for i, s in enumerate(report.sources)))
-        print(report.table(full=args.all).replace("format(full=True)", "--all"))
+        if report.compared or args.all:
+            print(report.table(full=args.all).replace("format(full=True)", "--all"))
+        else:
+            print(f"{report.verdict()}; --all lists them")
+            print("\n".join(f"  {n}" for n in report.notes))
         for w in report.warnings:
-            print(f"WARNING: {w}")
+            print(f"WARNING: {_words.for_cli(w)}")
     if args.command == "diff" and not report.compared:
         return 0
     return 0 if args.command == "inspect" or report.in_sync else 1

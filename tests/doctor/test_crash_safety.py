@@ -143,7 +143,7 @@ def _check_in_place_after_kill(kind: Kind, ck: Path, killed: bool, where: str) -
         warned, read_error = re.findall(r"interrupted zero-buffers repair[^\n]*", str(e)), e
     assert bool(warned) == bool(leftovers), (where, leftovers, warned)
     if warned:
-        assert f"zero-buffers repair {ck} --recover" in warned[0], warned[0]
+        assert f"zero_buffers.recover_checkpoint({str(ck)!r})" in warned[0], warned[0]  # the Python API's words
     assert read_error is None or not unit.exists(), (where, read_error)
     assert snapshot(ck.parent) == before, f"{where}: inspect wrote something"
     result = zb.repair_checkpoint(ck, in_place=True)
@@ -206,7 +206,7 @@ def _check_output_after_kill(kind: Kind, ck: Path, killed: bool, where: str) -> 
     if not killed:
         assert state == kind.new and not leftovers, where
     if leftovers:
-        with pytest.raises(zb.CheckpointError, match=r"interrupted zero-buffers repair.*--recover"):
+        with pytest.raises(zb.CheckpointError, match=r"interrupted zero-buffers repair.*recover_checkpoint\("):
             zb.checkpoint_report(out)  # out does not exist yet: the error says why, and what to run
     if state == kind.new:
         assert not leftovers, where

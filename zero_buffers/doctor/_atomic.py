@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+from . import _words
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.zb-(?:(?P<role>repair|old)-[0-9a-f]{8}|(?P<journal>journal)(?P<tmp>\.tmp)?)$")
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
@@ -222,8 +223,8 @@ class Plan:
         what = f"an interrupted zero-buffers repair of {self.target} left {self.names()}: {self.state}"
         if self.stuck:
             return f"{what}. Left alone: check which copy you want and remove the others by hand"
-        return (f"{what}. This command changed nothing; `zero-buffers repair {path} --recover` {self.remedy} "
-                "(any repair of it does so first)")
+        return _words.Said(f"{what}. This command changed nothing; `", _words.recover(path), f"` {self.remedy} "
+                           "(any repair of it does so first)")
 
 
 def _leftovers(folder: Path) -> dict[str, list[Path]]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CheckpointError
+from . import _words
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header: 30 bytes, then the name and the extra field
@@ -110,7 +111,7 @@ def check_zip(f: BinaryIO, size: int, where: str) -> None:
             end_of_data = z.start_dir
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, struct.error,
             NotImplementedError, UnicodeDecodeError) as e:
-        raise bad(f"not a readable zip archive ({type(e).__name__}: {e})") from e
+        raise bad(f"not a readable zip archive ({_words.reason(e)})") from e
     if end_of_data > size:
         raise bad(f"its directory starts at byte {end_of_data}, past the end of the file ({size} bytes)")
     for i, m in enumerate(members):
@@ -138,18 +139,17 @@ def unpickling_failed(path: Path, error: BaseException, trusted: bool) -> Checkp
     """The CheckpointError for a pickle that could not be loaded: a class whose code is not here (defined in the
     script that saved it, or in a module not installed) is named as such."""
     found = _MISSING_ATTRIBUTE.search(str(error))
-    how = " with --trust-pickle" if trusted else ""
+    how: str | _words.Arg = _words.WITH_TRUST_PICKLE if trusted else ""
     main = sys.modules.get("__main__")
     mains = {"__main__", getattr(getattr(main, "__spec__", None), "name", None)}  # python -m shows the spec's name
     if isinstance(error, ModuleNotFoundError):
-        why = (f"it refers to the Python module {error.name!r}, which is not importable here: unpickling{how} needs "
-               "the code that wrote it installed")
+        why = _words.Said(f"it refers to the Python module {error.name!r}, which is not importable here: unpickling",
+                          how, " needs the code that wrote it installed")
     elif found and found.group(2) in mains:
-        why = (f"it refers to the class {found.group(1)}, defined in the script that saved it (__main__): unpickling"
-               f"{how} needs that class, which this process does not have")
+        why = _words.Said(f"it refers to the class {found.group(1)}, defined in the script that saved it (__main__): "
+                          "unpickling", how, " needs that class, which this process does not have")
     elif found:
-        why = f"it refers to {found.group(2)}.{found.group(1)}, which that module does not define here"
+        why = _words.Said(f"it refers to {found.group(2)}.{found.group(1)}, which that module does not define here")
     else:
-        text = str(error).strip().splitlines()
-        why = f"unpickling it{how} failed: {type(error).__name__}: {text[0][:200] if text else ''}"
-    return CheckpointError(f"{path}: cannot be loaded: {why}", str(path))
+        why = _words.Said("unpickling it", how, f" failed: {_words.reason(error)}")
+    return CheckpointError(_words.Said(f"{path}: cannot be loaded: ", why), str(path))

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from . import _checks as _file_checks
+from . import _checks as _file_checks, _words
 
 TENSOR_SUFFIXES = (*_file_checks.TORCH_SUFFIXES, ".safetensors")
 _ZERO3_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
@@ -106,10 +106,11 @@ def locate(path: str | os.PathLike, tag: str | None = None, trust_pickle: bool =
         return _dcp(p)
     latest = p / "latest"
     if tag is not None or os.path.lexists(latest):
-        chosen = _tag(tag, "--tag") if tag is not None else _tag(_read_latest(latest), str(latest))
+        chosen = _tag(tag, _words.tag(tag)) if tag is not None else _tag(_read_latest(latest), str(latest))
         if not (p / chosen).is_dir():
-            where = f"--tag {tag!r}" if tag is not None else f"{latest} names tag {chosen!r}, but"
-            raise CheckpointError(f"{where} there is no folder {p / chosen}", str(p / chosen))
+            where = _words.Said(_words.tag(tag), ":") if tag is not None else f"{latest} names tag {chosen!r}, but"
+            raise CheckpointError(_words.Said(where, f" there is no folder {p / chosen}; {_tags_found(p)}"),
+                                  str(p / chosen))
         inner = _deepspeed(p / chosen, p, trust_pickle)
         return Layout(inner.kind, p, inner.unit, inner.files, inner.per_rank, chosen, inner.notes)
     if any(_ZERO3_FILE.match(f.name) or _ZERO12_FILE.match(f.name) for f in p.iterdir()):
@@ -131,12 +132,25 @@ def _read_latest(latest: Path) -> str:
         raise CheckpointError(f"{latest}: not text (DeepSpeed writes the tag's name here)", str(latest)) from e
 
 
-def _tag(tag: str, where: str) -> str:
+def _tag(tag: str, where: str | _words.Arg) -> str:
     """A tag names one folder inside the checkpoint: one path component, not "..", no separator."""
     if tag in ("", ".", "..") or any(c in tag for c in "/\\\0") or not tag.isprintable():
-        raise CheckpointError(f"{where}: names the tag {tag[:80]!r}, which is not one folder name inside the "
-                              "checkpoint", where)
+        raise CheckpointError(_words.Said(where, f": names the tag {tag[:80]!r}, which is not one folder name inside "
+                                          "the checkpoint"), str(where) if isinstance(where, str) else None)
     return tag
+
+
+def _tags_found(root: Path) -> str:
+    """The tag folders of a DeepSpeed root (folders holding its model-states files), in words."""
+    try:
+        tags = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and any(
+            _ZERO3_FILE.match(f.name) or _ZERO12_FILE.match(f.name) for f in d.iterdir()))
+    except OSError:
+        tags = []
+    if not tags:
+        return f"{root} holds no tag folder (none with DeepSpeed's model-states files)"
+    shown = ", ".join(tags[:10]) + (f" and {len(tags) - 10} more" if len(tags) > 10 else "")
+    return f"the tags in {root}: {shown}"
 
 
 def _single(file: Path, unit: Path, kind: str, notes: tuple[str, ...] = ()) -> Layout:
@@ -272,16 +286,16 @@ def _open_torch(file: Path, trust_pickle: bool) -> Any:
         if "Weights only load failed" in str(e):
             found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
             what = f"the Python object {found.group(1)}" if found else "Python objects (or an old-format pickle)"
-            raise CheckpointError(f"{file}: holds {what}, which weights_only=True refuses to unpickle. Only if you "
-                                  "trust this file: --trust-pickle (trust_pickle=True)", str(file)) from e
+            raise CheckpointError(_words.Said(f"{file}: holds {what}, which weights_only=True refuses to unpickle. "
+                                              "Only if you trust this file: ", _words.TRUST_PICKLE), str(file)) from e
         if trust_pickle:
             raise _file_checks.unpickling_failed(file, e, True) from e
-        raise CheckpointError(f"{file}: not a torch checkpoint ({_first_line(str(e))})", str(file)) from e
+        raise CheckpointError(f"{file}: not a torch checkpoint ({_words.reason(e)})", str(file)) from e
     except Exception as e:  # whatever torch.load raises on a damaged or foreign file: the file is at fault
         if trust_pickle and not isinstance(e, (RuntimeError, EOFError, OSError, zipfile.BadZipFile)):
             raise _file_checks.unpickling_failed(file, e, True) from e  # a class not here, a failing __setstate__
         state = "a truncated or corrupt torch checkpoint" if zipped else "a damaged torch checkpoint (legacy pickle)"
-        raise CheckpointError(f"{file}: {state}: {type(e).__name__}: {_first_line(str(e))}", str(file)) from e
+        raise CheckpointError(f"{file}: {state}: {_words.reason(e)}", str(file)) from e
 
 
 def check_crc(sf: StateFile) -> None:
@@ -297,15 +311,10 @@ def check_crc(sf: StateFile) -> None:
         with zipfile.ZipFile(sf.path) as z:
             bad = z.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as e:
-        raise CheckpointError(f"{sf.path}: a truncated or corrupt torch checkpoint: {_first_line(str(e))}",
+        raise CheckpointError(f"{sf.path}: a truncated or corrupt torch checkpoint: {_words.reason(e)}",
                               str(sf.path)) from e
     if bad is not None:
         raise CheckpointError(f"{sf.path}: corrupt: the archive member {bad} fails its CRC-32 check", str(sf.path))
-
-
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:200]
 
 
 def _state_dict(obj: Any, sf: StateFile) -> tuple[Mapping[str, Any], tuple[str, ...] | None]:
@@ -334,6 +343,10 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
     if sf.format == "torch":
         sd, names = _state_dict(_open_torch(sf.path, trust_pickle), sf)
         entries = {k: v for k, v in sd.items() if torch.is_tensor(v)}
+        named = next((k for k in entries if not isinstance(k, str)), None)
+        if named is not None:
+            raise CheckpointError(f"{sf.path}: the state dict names an entry by the {type(named).__name__} "
+                                  f"{named!r}; a state dict names its entries by strings", str(sf.path))
         yield Tensors({k: (v.dtype, tuple(v.shape)) for k, v in entries.items()}, entries.__getitem__, names)
     elif sf.format == "safetensors":
         st = _safetensors()
@@ -345,9 +358,12 @@ def open_tensors(sf: StateFile, trust_pickle: bool = False) -> Iterator[Tensors]
             for k in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 s = f.get_slice(k)
                 meta[k] = (_SAFE_DTYPES[s.get_dtype()], tuple(s.get_shape()))
-        except Exception as e:  # SafetensorError, an unknown dtype (KeyError), ...: the file is at fault
-            raise CheckpointError(f"{sf.path}: not a readable safetensors file ({type(e).__name__}: "
-                                  f"{_first_line(str(e))})", str(sf.path)) from e
+        except KeyError as e:  # a dtype this reader does not know
+            raise CheckpointError(f"{sf.path}: holds an entry of a dtype this reader does not know "
+                                  f"({e.args[0] if e.args else '?'})", str(sf.path)) from e
+        except Exception as e:  # SafetensorError, ...: the file is at fault
+            raise CheckpointError(f"{sf.path}: not a readable safetensors file ({_words.reason(e)})",
+                                  str(sf.path)) from e
         try:
             yield Tensors(meta, f.get_tensor, None)
         finally:

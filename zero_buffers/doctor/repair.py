@@ -42,8 +42,8 @@ import torch
 
 from .._core import compare as _compare
 from ..errors import CheckpointError, InvalidArgumentError
-from . import _atomic as _atomic_dir, _copy as _ckpt_copy, _files as _ckpt_files
-from .report import _STATS, _bar, _bn_layers, _common_names, _opened, _PathLike, _sources, _trust, unreadable
+from . import _atomic as _atomic_dir, _copy as _ckpt_copy, _files as _ckpt_files, _words
+from .report import _STATS, _bar, _bn_layers, _common_names, _opened, _path_arg, _PathLike, _sources, _trust, unreadable
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,16 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
 
         zero_buffers.repair_checkpoint("ckpt/", "ckpt_fixed/", policy="average")
     """
+    _path_arg(path, "repair_checkpoint", "path")
+    if out is not None:
+        _path_arg(out, "repair_checkpoint", "out")
     if policy not in _POLICIES:
-        raise InvalidArgumentError(f"policy must be one of {_POLICIES}, got {policy!r}")
+        raise InvalidArgumentError(f"repair_checkpoint(): policy must be one of {_POLICIES}, got {policy!r}")
+    if not isinstance(in_place, bool):
+        raise InvalidArgumentError(f"repair_checkpoint(): in_place must be True or False, got {in_place!r}")
     if (out is None) == (not in_place):
-        raise InvalidArgumentError("give exactly one of out=... and in_place=True")
+        raise InvalidArgumentError(_words.Said("repair_checkpoint(): give exactly one of ", _words.OUT, " (a new "
+                                               "folder) and ", _words.IN_PLACE))
     _trust(trust_pickle)
     recovered = _atomic_dir.recover(Path(path))
     lay = _ckpt_files.locate(path, tag, trust_pickle)
@@ -135,7 +141,8 @@ def repair_checkpoint(path: _PathLike, out: _PathLike | None = None, *, policy: 
                               f"({lay.notes[0] if lay.notes else 'not per rank'}): nothing to repair", str(lay.path))
     n = len(lay.files)
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-        raise InvalidArgumentError(f"src must be a rank of the checkpoint (0..{n - 1}), got {src!r}")
+        raise InvalidArgumentError(_words.Said(_words.Arg("src", "--src"), f" must be a rank of the checkpoint "
+                                               f"(0..{n - 1}), got {src!r}"))
     target, notes = _destination(lay, out, in_place)  # [Note: what the doctor may write]: never the input
     recovered += _atomic_dir.recover(target)  # beside a linked tag folder, or an -o output's staging folders
     _ckpt_copy.refuse_specials(lay.unit)
@@ -162,6 +169,7 @@ def recover_checkpoint(path: _PathLike) -> tuple[str, ...]:
     for a DeepSpeed root), and nothing else: returns what was done, in words (empty when nothing was left).
     ``checkpoint_report`` warns about such leftovers; every repair of ``path`` does this first.
     CheckpointError when the leftovers do not say what happened (then nothing is touched)."""
+    _path_arg(path, "recover_checkpoint", "path")
     return tuple(_atomic_dir.recover(Path(path)))
 
 
@@ -173,7 +181,8 @@ def _write(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values
     try:
         stage.mkdir()
     except OSError as e:
-        raise CheckpointError(f"cannot create a folder beside {target}: {e}; nothing was written", str(target)) from e
+        raise CheckpointError(f"cannot create a folder beside {target}: {_words.reason(e)}; nothing was written",
+                              str(target)) from e
     try:
         unit = stage if in_place or lay.unit == lay.path else stage / lay.unit.name
         done = _ckpt_copy.write_copy(lay, views, values, unit, stage, in_place, trust_pickle,
@@ -184,22 +193,24 @@ def _write(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], values
             _atomic_dir.put_new(stage, target)
     except BaseException as e:
         if _atomic_dir.journal_path(target).exists():  # the swap had begun: the journal settles it, not us
-            raise CheckpointError(f"repairing {lay.path} in place stopped during the swap ({type(e).__name__}: "
-                                  f"{_first(e)}); `zero-buffers repair {lay.path} --recover` restores a whole "
-                                  "checkpoint", str(target)) from e
+            raise CheckpointError(_words.Said(f"repairing {lay.path} in place stopped during the swap "
+                                              f"({_stopped(e)}); `", _words.recover(lay.path), "` restores a whole "
+                                              "checkpoint"), str(target)) from e
         shutil.rmtree(stage, ignore_errors=True)
         if isinstance(e, CheckpointError) or not isinstance(e, (_ckpt_copy.WriteFailed, *_ckpt_files.write_errors())):
             raise
         file, cause = (e.file, e.error) if isinstance(e, _ckpt_copy.WriteFailed) else (target, e)
-        raise CheckpointError(f"repairing {lay.path} failed while writing {file.name}: {type(cause).__name__}: "
-                              f"{_first(cause)} (a full disk or a file size limit?); the input is unchanged and "
-                              f"nothing was written to {target}", str(file)) from cause
+        raise CheckpointError(f"repairing {lay.path} failed while writing {file.name}: {_words.reason(cause)} (a "
+                              f"full disk or a file size limit?); the input is unchanged and nothing was written to "
+                              f"{target}", str(file)) from cause
     return done
 
 
-def _first(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else ""
+def _stopped(e: BaseException) -> str:
+    """Why a swap stopped, in words."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    return _words.reason(e)
 
 
 def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool) -> tuple[Path, list[str]]:
@@ -216,7 +227,8 @@ def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool)
         raise CheckpointError(f"{target}: the output is a symbolic link (to {os.readlink(target)}); name a new folder",
                               str(target))
     if target.exists():
-        raise CheckpointError(f"{target}: the output already exists; name a new folder (or --in-place)", str(target))
+        raise CheckpointError(_words.Said(f"{target}: the output already exists; name a new folder (or repair the "
+                                          "input with ", _words.IN_PLACE, ")"), str(target))
     inp = lay.path.resolve()
     resolved = target.resolve()
     if resolved == inp or resolved.is_relative_to(inp) or resolved.is_relative_to(lay.unit.resolve()):
@@ -225,7 +237,7 @@ def _destination(lay: _ckpt_files.Layout, out: _PathLike | None, in_place: bool)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"{target}: cannot create its parent folder: {e}", str(target)) from e
+        raise CheckpointError(f"{target}: cannot create its parent folder: {_words.reason(e)}", str(target)) from e
     return target, []
 
 

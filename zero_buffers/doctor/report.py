@@ -23,7 +23,7 @@ import torch
 from .._core import compare as _compare, notice as _notice
 from ..errors import CheckpointError, InvalidArgumentError
 from ..report import BufferReport, BufferRow
-from . import _atomic as _atomic_dir, _files as _ckpt_files
+from . import _atomic as _atomic_dir, _files as _ckpt_files, _words
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 _PathLike = str | os.PathLike
@@ -37,7 +37,9 @@ class CheckpointReport:
     ``differing_ranks`` and ``untrained_ranks`` of ``report``'s rows index into it (0 is the reference).
     ``counters`` gives, per source, the smallest and largest ``num_batches_tracked``; ``untrained`` the
     BatchNorm layers still at mean 0 / var 1 / count 0 and the sources where they are; ``not_compared`` the
-    entries only some sources hold.
+    entries only some sources hold. ``buffer_names``: every file records which of its entries are buffers
+    (DeepSpeed's ``buffer_names``), so ``report`` compares buffers only and ``parameters`` counts the entries left
+    out; otherwise it compares every tensor (a plain state dict does not say which are buffers).
     """
 
     kind: str
@@ -53,6 +55,7 @@ class CheckpointReport:
     warnings: tuple[str, ...]
     not_compared: tuple[str, ...]
     buffer_names: bool = False
+    parameters: int = 0
 
     @property
     def in_sync(self) -> bool:
@@ -73,13 +76,23 @@ class CheckpointReport:
                   else f"{len(self.sources)} copies")
         return f"{where}: {self.kind}{tag}, {copies}"
 
+    @property
+    def what(self) -> str:
+        """What the rows are: "buffers" where the files record which entries are, else "tensors"."""
+        return "buffers" if self.buffer_names else "tensors"
+
     def verdict(self) -> str:
         rows = self.report.rows
         if not self.compared:
-            return f"{len(rows)} buffers, one copy each: nothing to compare"
+            return f"{len(rows)} {self.what}, one copy each: nothing to compare"
         versus = "rank 0" if self.per_rank else f"the first file ({self.sources[0]})"
-        return (f"{len(self.report.out_of_sync)} of {len(rows)} buffers differ (compared with {versus}, "
-                f"atol={self.report.atol:g})")
+        if self.buffer_names:
+            why = f"; {self.parameters} parameters not compared" if self.parameters else ""
+        else:
+            why = (f"; {'the files do' if len(self.paths) > 1 or len(self.sources) > 1 else 'the file does'} not "
+                   "record which entries are buffers, so weights are compared too")
+        return (f"{len(self.report.out_of_sync)} of {len(rows)} {self.what} differ (compared with {versus}, "
+                f"atol={self.report.atol:g}{why})")
 
     def table(self, full: bool = False) -> str:
         """The per-buffer table ``buffer_report`` prints: under 40 lines unless ``full`` (every row up to 30 buffers;
@@ -94,7 +107,9 @@ class CheckpointReport:
         lines += [f"  {note}" for note in self.notes]
         kinds = ", ".join(f"{k} {n}" for k, n in self.kinds) or "none"
         what = "buffers (DeepSpeed's buffer_names)" if self.buffer_names else "tensors (buffers and any weights)"
-        lines.append(f"  {what} per copy: {sum(n for _, n in self.kinds)}: {kinds}")
+        params = (f"; {self.parameters} parameters, not compared (ZeRO-3 keeps their values in the optimizer files)"
+                  if self.parameters else "")
+        lines.append(f"  {what} per copy: {sum(n for _, n in self.kinds)}: {kinds}{params}")
         known = [(i, c) for i, c in enumerate(self.counters) if c is not None]
         if known:
             lines.append("  num_batches_tracked: " + "; ".join(
@@ -134,7 +149,8 @@ class CheckpointReport:
                 "atol": self.report.atol, "buffers": rows, "kinds": dict(self.kinds),
                 "counters": [list(c) if c else None for c in self.counters],
                 "untrained": {k: list(v) for k, v in self.untrained}, "notes": list(self.notes),
-                "warnings": list(self.warnings), "not_compared": list(self.not_compared)}
+                "warnings": list(self.warnings), "not_compared": list(self.not_compared),
+                "buffer_names": self.buffer_names, "parameters": self.parameters}
 
 
 # -- reading and comparing -------------------------------------------------------------------------------------------
@@ -267,8 +283,8 @@ def unreadable(what: Any) -> Iterator[None]:
         raise
     except (ValueError, TypeError, AttributeError, RuntimeError, OverflowError, MemoryError, KeyError, IndexError,
             EOFError, AssertionError) as e:
-        text = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{what}: holds values that cannot be read as a checkpoint ({text})", str(what)) from e
+        raise CheckpointError(f"{what}: holds values that cannot be read as a checkpoint ({_words.reason(e)})",
+                              str(what)) from e
 
 
 def _untrained(view: _ckpt_files.Tensors, prefix: str, counted: bool) -> bool:
@@ -309,6 +325,8 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         report = zero_buffers.checkpoint_report("checkpoints/")   # a DeepSpeed save_checkpoint folder
         print(report.table())
     """
+    for i, p in enumerate((path, *more)):
+        _path_arg(p, "checkpoint_report", "path" if i == 0 else f"path {i + 1}")
     atol = _atol(atol)
     patterns = _patterns(only)
     _trust(trust_pickle)
@@ -318,7 +336,8 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         layouts = [_ckpt_files.locate(p, tag, trust_pickle) for p in (path, *more)]
     except CheckpointError as e:
         if leftovers:  # the checkpoint may be missing because a repair was interrupted: say so
-            raise CheckpointError(f"{e}. WARNING: " + " WARNING: ".join(leftovers), e.path) from e
+            raise CheckpointError(_words.Said(e.args[0], ". WARNING: ", _words.join(leftovers, " WARNING: ")),
+                                  e.path) from e
         raise
     sources = _sources(layouts)
     for s in sources:
@@ -332,8 +351,12 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         recorded = all(v.buffer_names is not None for v in views)
         if patterns:
             kept = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-            if not kept:
-                warnings.append(f"--only {' '.join(patterns)} matched none of the {len(names)} buffers")
+            if not kept:  # a typo in a CI check must not pass as "0 of 0 differ"
+                what = "buffers" if recorded else "tensors"
+                some = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+                raise InvalidArgumentError(_words.Said(
+                    _words.only(patterns), f" matched none of the {len(names)} {what} of "
+                    f"{', '.join(map(str, (path, *more)))}" + (f" (they include {some})" if names else "")))
             names = kept
         layers = _bn_layers(names)
         fresh = {p: tuple(i for i, v in enumerate(views) if _untrained(v, p, c)) for p, c in layers.items()}
@@ -355,11 +378,12 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
         kinds[_kind_of(n)] = kinds.get(_kind_of(n), 0) + 1
     notes = tuple(n for lay in layouts for n in lay.notes)
     report = BufferReport(tuple(rows), tuple(range(len(sources))), 0, atol, checked=len(sources) > 1)
+    parameters = len(views[0].meta) - len(_names(views[0])) if recorded else 0
     kind, tag = (layouts[0].kind, layouts[0].tag) if len(layouts) == 1 else ("files compared", None)
     return CheckpointReport(kind, tuple(str(lay.path) for lay in layouts), tag,
                             tuple(s.label for s in sources), same, report, tuple(sorted(kinds.items())), counters,
                             tuple((p, s) for p, s in fresh.items() if s), notes, tuple(warnings), tuple(partial),
-                            recorded)
+                            recorded, parameters)
 
 
 def _counter_range(view: _ckpt_files.Tensors, names: Sequence[str]) -> tuple[int, int] | None:
@@ -404,16 +428,28 @@ def _trust(trust_pickle: bool) -> None:
                      "files you trust", once="trust_pickle", stacklevel=4, here=True)  # not a collective: said here
 
 
+def _path_arg(value: Any, fn: str, name: str) -> None:
+    """InvalidArgumentError (a TypeError) naming ``fn``'s argument unless ``value`` is a path: a str or os.PathLike."""
+    if isinstance(value, (bytes, bytearray)) or not isinstance(value, (str, os.PathLike)):
+        raise InvalidArgumentError(f"{fn}(): {name} must be a checkpoint's path, a str or os.PathLike (a file or "
+                                   f"folder), got {type(value).__name__} {value!r:.80}")
+    if isinstance(value, str) and not value:
+        raise InvalidArgumentError(f"{fn}(): {name} is the empty string; give a checkpoint's file or folder")
+
+
 def _atol(atol: Any) -> float:
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not atol >= 0:
-        raise InvalidArgumentError(f"atol must be a number >= 0, got {atol!r}")
+        raise InvalidArgumentError(_words.Said(_words.Arg("atol", "--atol"), f" must be a number >= 0, got {atol!r}"))
     return float(atol)
 
 
 def _patterns(only: Iterable[str]) -> tuple[str, ...]:
     if isinstance(only, str):
         return (only,)
-    pats = tuple(only)
+    try:
+        pats = tuple(only)
+    except TypeError:
+        pats = (only,)  # type: ignore[assignment]
     if not all(isinstance(p, str) for p in pats):
-        raise InvalidArgumentError(f"only must be glob strings, got {pats!r}")
+        raise InvalidArgumentError(f"only must be a glob string or a list of them, got {only!r:.80}")
     return pats

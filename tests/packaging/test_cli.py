@@ -1,0 +1,304 @@
+"""The zero-buffers command speaks plainly: --version, a bare command's help, help for every argument, errors that say
+what exists (an --only pattern or a --tag that matches nothing), "tensors" or "buffers" by what the file records, the
+Python API naming Python arguments and the CLI naming flags, no exception class names; example-checkpoint writes a
+checkpoint the doctor finds diverged; repro's time budgets and its summary in words (fake scripts of our own)."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_buffers as zb
+from tests.doctor import files
+from tests.helpers import run_cmd
+from zero_buffers import cli
+
+
+def _cli(*args: object, timeout: float = 120, **kw):
+    return run_cmd([sys.executable, "-m", "zero_buffers.cli", *map(str, args)], timeout, **kw)
+
+
+# -- help and version ------------------------------------------------------------------------------------------------
+
+def test_version_prints_the_package_version():
+    out = _cli("--version")
+    assert out.returncode == 0 and out.stdout == f"zero-buffers {zb.__version__}\n", out
+
+
+def test_bare_command_prints_the_help_with_every_subcommand_and_an_example_of_each():
+    out = _cli()
+    assert out.returncode == 0 and out.stderr == "", out
+    for name in ("example-checkpoint", "inspect", "diff", "repair", "list", "repro"):
+        assert re.search(rf"^    {name}\b", out.stdout, re.M), name  # listed under commands
+        assert re.search(rf"^  zero-buffers {name}\b", out.stdout, re.M), name  # and one example
+    assert out.stdout.startswith("usage: zero-buffers")
+
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser.prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_every_argument_of_every_subcommand_has_help_and_no_rest_markup():
+    seen = 0
+    for prog, parser in _parsers(cli.build_parser()):
+        for text in (parser.description, parser.epilog):
+            assert text and "`" not in text and "::" not in text, (prog, text)
+        for action in parser._actions:
+            name = "/".join(action.option_strings) or action.dest
+            if action.help == argparse.SUPPRESS:
+                assert name == "--quick", f"{prog} {name}: hidden"  # the deprecated no-op alias only
+                continue
+            assert action.help and action.help.strip(), f"{prog} {name}: no help"
+            assert "`" not in action.help and "::" not in action.help, (prog, name, action.help)
+            for choice in getattr(action, "_choices_actions", ()):
+                assert choice.help and "`" not in choice.help, (prog, choice.dest)
+            seen += 1
+        assert parser.format_help()
+    assert seen > 30
+
+
+# -- doctor messages -------------------------------------------------------------------------------------------------
+
+def test_diff_only_matching_nothing_exits_2_naming_the_patterns_and_buffers_that_exist(tmp_path):
+    ck = files.zero3(tmp_path / "ck")
+    code, text, err = files.doctor("diff", ck, "--only", "*.runing_mean", "--only", "*.tagg")
+    assert code == 2 and text == "", (code, text, err)
+    assert "--only '*.runing_mean' --only '*.tagg' matched none of the 3 buffers" in err, err
+    assert "bn.running_mean" in err and "bn.num_batches_tracked" in err
+    with pytest.raises(zb.InvalidArgumentError, match=re.escape("only=['*.tagg'] matched none of the 3 buffers")):
+        zb.checkpoint_report(ck, only="*.tagg")
+    code, _, _ = files.doctor("diff", ck, "--only", "*.running_mean")
+    assert code == 1
+
+
+def test_unknown_tag_lists_the_tags_found(tmp_path):
+    ck = files.zero3(tmp_path / "ck")
+    shutil.copytree(ck / files.TAG, ck / "step4")
+    code, _, err = files.doctor("inspect", ck, "--tag", "nope")
+    assert code == 2 and f"--tag nope: there is no folder {ck / 'nope'}; the tags in {ck}: step4, step8" in err, err
+    with pytest.raises(zb.CheckpointError, match=r"^tag='nope': there is no folder .*the tags in .*: step4, step8$"):
+        zb.checkpoint_report(ck, tag="nope")
+
+
+def test_diff_says_tensors_for_plain_state_dicts_and_buffers_for_zero3_with_the_parameters_not_compared(tmp_path):
+    code, text, _ = files.doctor("diff", files.per_rank(tmp_path / "pt"))
+    assert code == 1 and "2 of 5 tensors differ" in text and "do not record which entries are buffers" in text, text
+    code, text, _ = files.doctor("diff", files.zero3(tmp_path / "z3"))
+    assert code == 1 and "2 of 3 buffers differ (compared with rank 0, atol=0; 2 parameters not compared)" in text
+    report = zb.checkpoint_report(tmp_path / "z3")
+    assert (report.buffer_names, report.parameters, report.what) == (True, 2, "buffers")
+    assert "2 parameters, not compared" in report.format()
+    assert zb.checkpoint_report(tmp_path / "pt").what == "tensors"
+
+
+def test_inspect_of_several_paths_is_refused_naming_the_diff_to_run(tmp_path):
+    ck = files.per_rank(tmp_path / "pt")
+    code, text, err = files.doctor("inspect", ck / "rank0.pt", ck / "rank1.pt", "--all")
+    assert code == 2 and text == ""
+    assert "zero-buffers inspect: takes one checkpoint, got 2 paths" in err
+    assert f"\n  zero-buffers diff {ck / 'rank0.pt'} {ck / 'rank1.pt'} --all\n" in err, err
+
+
+def _corrupt_pickle(path: Path) -> Path:
+    """A torch zip archive whose data.pkl refers to a pickle memo entry it never made (torch raises KeyError: 101)."""
+    torch.save({"bn.running_mean": torch.zeros(3)}, path)
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, b"\x80\x02h\x65." if name.endswith("data.pkl") else data)
+    return path
+
+
+def test_messages_name_no_exception_class_and_a_non_path_is_a_clear_type_error(tmp_path):
+    bad = _corrupt_pickle(tmp_path / "bad.pt")
+    with pytest.raises(zb.CheckpointError) as caught:
+        zb.checkpoint_report(bad)
+    message = str(caught.value)
+    assert message.startswith(f"{bad}: ") and "refers to data it does not hold" in message, message
+    torch.save({101: torch.zeros(3)}, tmp_path / "int_key.pt")
+    with pytest.raises(zb.CheckpointError) as named:
+        zb.checkpoint_report(tmp_path / "int_key.pt")
+    assert "names an entry by the int 101" in str(named.value)
+    for text in (message, str(named.value)):
+        assert not re.search(r"\b[A-Z]\w*(Error|Exception)\b", text), text
+    with pytest.raises(TypeError, match=r"^checkpoint_report\(\): path must be a checkpoint's path, a str or "
+                                        r"os\.PathLike \(a file or folder\), got int 3$"):
+        zb.checkpoint_report(3)
+    with pytest.raises(TypeError, match=r"^checkpoint_report\(\): path 2 must be .* got NoneType None$"):
+        zb.checkpoint_report(tmp_path, None)
+    with pytest.raises(TypeError, match=r"^repair_checkpoint\(\): out must be .* got int 5$"):
+        zb.repair_checkpoint(tmp_path, 5)
+
+
+def test_the_python_api_names_arguments_and_the_cli_names_flags(tmp_path):
+    ck = files.per_rank(tmp_path / "ck")
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(zb.CheckpointError, match=r"already exists; .*with in_place=True\)$"):
+        zb.repair_checkpoint(ck, tmp_path / "taken")
+    code, _, err = files.doctor("repair", ck, "-o", tmp_path / "taken")
+    assert code == 2 and err.rstrip().endswith("with --in-place)") and "in_place" not in err, err
+    with pytest.raises(zb.InvalidArgumentError, match=r"give exactly one of out=\.\.\. \(a new folder\) and "
+                                                      r"in_place=True"):
+        zb.repair_checkpoint(ck)
+    with pytest.raises(zb.InvalidArgumentError, match=r"^src must be a rank"):
+        zb.repair_checkpoint(ck, tmp_path / "out", src=7)
+    code, _, err = files.doctor("repair", ck, "-o", tmp_path / "out", "--src", "7")
+    assert code == 2 and "--src must be a rank of the checkpoint (0..1), got 7" in err
+    (tmp_path / ".ck.zb-repair-89abcdef").mkdir()  # what an interrupted repair leaves
+    warning = " ".join(zb.checkpoint_report(ck).warnings)
+    assert f"`zero_buffers.recover_checkpoint({str(ck)!r})`" in warning and "--recover" not in warning, warning
+    code, text, _ = files.doctor("diff", ck)
+    assert f"`zero-buffers repair {ck} --recover`" in text and "recover_checkpoint" not in text, text
+
+
+# -- example-checkpoint ----------------------------------------------------------------------------------------------
+
+def test_example_checkpoint_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "notes.txt").write_text("mine\n")
+    out = _cli("example-checkpoint", tmp_path / "demo")
+    assert out.returncode == 2 and "exists and is not empty; name a new folder (nothing was written)" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["notes.txt"]
+
+
+BN_DIFFER = ("0.running_mean", "0.running_var", "2.running_mean", "2.running_var")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("zero3", marks=pytest.mark.stack), "per-rank", "dcp"])
+def test_example_checkpoint_is_one_the_doctor_finds_diverged_and_repairs(tmp_path, kind):
+    demo, fixed = tmp_path / "demo", tmp_path / "fixed"
+    started = time.monotonic()
+    out = _cli("example-checkpoint", demo, "--kind", kind, timeout=300)
+    seconds = time.monotonic() - started
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(f"example-checkpoint --kind {kind}: {seconds:.1f} s")
+    assert out.stdout.startswith(f"wrote {demo}: ") and "try next:\n  # " in out.stdout
+    assert f"zero-buffers inspect {demo}" in out.stdout and f"zero-buffers diff {demo}" in out.stdout
+    inspect = _cli("inspect", demo)
+    assert inspect.returncode == 0, inspect.stderr
+    diff = _cli("diff", demo)
+    if kind == "dcp":  # one copy of each entry: which rank wrote each statistic, nothing per rank to compare
+        assert "written by" in inspect.stdout and "one copy each: nothing to compare" in diff.stdout
+        assert diff.returncode == 0
+        repair = _cli("repair", demo, "-o", fixed)
+        assert repair.returncode == 2 and "nothing to repair" in repair.stderr and not fixed.exists()
+        return
+    what = "buffers" if kind == "zero3" else "tensors"
+    assert f"4 of {6 if kind == 'zero3' else 13} {what} differ" in inspect.stdout, inspect.stdout
+    assert diff.returncode == 1, diff.stdout + diff.stderr
+    differing = {line.split()[0] for line in diff.stdout.splitlines() if re.search(r"\sNO\s", line)}
+    assert differing == set(BN_DIFFER), diff.stdout
+    repair = _cli("repair", demo, "-o", fixed)
+    assert repair.returncode == 0 and "2 BatchNorm layer(s) merged" in repair.stdout, repair.stdout + repair.stderr
+    again = _cli("diff", fixed)
+    assert again.returncode == 0 and "0 of" in again.stdout, again.stdout + again.stderr
+
+
+# -- repro: time budgets and the summary -----------------------------------------------------------------------------
+
+OK = '''"""Always holds (records its environment)."""
+import json
+import os
+import pathlib
+
+BUDGET_SECONDS = {"quick": 30, "full": 60}
+if os.environ.get("RANK") == "0":
+    keys = ["ZB_FULL", "ZB_VERBOSE", "ZB_QUICK", "TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS",
+            "TRANSFORMERS_VERBOSITY", "DS_ACCELERATOR"]
+    pathlib.Path(os.environ["ZB_TEST_DIR"], "env.json").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+    print("RESULT: all fixes hold", flush=True)
+'''
+FAILS = '''"""A fix that does not hold."""
+import os
+import sys
+
+if os.environ.get("RANK") == "0":
+    print("RESULT: A FIX DOES NOT HOLD", flush=True)
+sys.exit(1)
+'''
+CRASHES = '''"""Stops before its table."""
+raise SystemExit("no table today")
+'''
+SLOW = '''"""Runs past its budget: each rank records its pid, then sleeps."""
+import os
+import pathlib
+import time
+
+BUDGET_SECONDS = {"quick": 3, "full": 100}
+pathlib.Path(os.environ["ZB_TEST_DIR"], "pids", str(os.getpid())).touch()
+time.sleep(600)
+'''
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_budget_is_read_without_importing_the_script(tmp_path):
+    (tmp_path / "a.py").write_text('raise SystemExit("imported!")\nBUDGET_SECONDS = {"quick": 120, "full": 900}\n')
+    (tmp_path / "b.py").write_text('"""No budget."""\n')
+    (tmp_path / "c.py").write_text('BUDGET_SECONDS = {"quick": "soon", "full": 9}\n')
+    assert cli.budget(tmp_path / "a.py") == {"quick": 120, "full": 900}
+    assert cli.budget(tmp_path / "b.py") is None and cli.budget(tmp_path / "c.py") is None
+    assert cli.Limit.of(tmp_path / "a.py", "quick", None).seconds == 480
+    assert cli.Limit.of(tmp_path / "a.py", "full", None).seconds == 3600
+    assert cli.Limit.of(tmp_path / "b.py", "quick", None).seconds == 900
+    assert cli.Limit.of(tmp_path / "a.py", "quick", 7.0) == cli.Limit(7.0, "--timeout 7")
+    small = tmp_path / "d.py"
+    small.write_text('BUDGET_SECONDS = {"quick": 5, "full": 10}\n')
+    assert cli.Limit.of(small, "quick", None).seconds == 120  # max(120, 4 x budget)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_repro_summary_says_killed_failed_and_ok_in_words_and_the_killed_ranks_are_gone(tmp_path):
+    repro = tmp_path / "repro"
+    repro.mkdir()
+    for name, text in (("a_ok", OK), ("b_fails", FAILS), ("c_crashes", CRASHES), ("d_slow", SLOW)):
+        (repro / f"{name}.py").write_text(text)
+    (tmp_path / "pids").mkdir()
+    env = dict(os.environ, ZERO_BUFFERS_REPRO_DIR=str(repro), ZB_TEST_DIR=str(tmp_path),
+               ZERO_BUFFERS_MIN_TIMEOUT="1")
+    for k in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "DS_ACCELERATOR"):
+        env.pop(k, None)
+    env["TRANSFORMERS_VERBOSITY"] = "info"  # set by the user: kept
+    out = _cli("repro", "--nproc", "2", "--backend", "gloo", timeout=240, env=env)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = out.stdout.split("=== summary\n", 1)[1].splitlines()
+    assert re.fullmatch(r"a_ok       ok \(\d+\.\d s\)", summary[0]), summary
+    assert summary[1] == "b_fails    FAILED (exit 1): a fix did not hold, see its table above", summary
+    assert summary[2].startswith("c_crashes  FAILED (exit 1): it stopped before its table, see its error above; "
+                                 "rerun alone: zero-buffers repro c_crashes --backend gloo"), summary
+    assert summary[3] == ("d_slow     KILLED after 12 s (its time budget, 4x its 3 s on an idle machine); rerun "
+                          "alone: zero-buffers repro d_slow --backend gloo --timeout 60"), summary
+    assert summary[4] == "3 of 4 did not pass: b_fails, c_crashes, d_slow"
+    assert "d_slow did not finish within 12 s" in out.stderr
+    pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
+    assert len(pids) == 2 and not any(map(_alive, pids)), pids
+    import json
+
+    seen = json.loads((tmp_path / "env.json").read_text())
+    assert seen == {"ZB_FULL": None, "ZB_VERBOSE": None, "ZB_QUICK": None, "TQDM_DISABLE": "1",
+                    "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "info", "DS_ACCELERATOR": "cpu"}
+
+    out = _cli("repro", "a_ok", "--full", "--verbose", "--quick", timeout=120, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.rstrip().endswith("it ran and every fix held") and "(full run, at most 240 s)" in out.stdout
+    assert "--quick is the default now and does nothing" in out.stderr
+    seen = json.loads((tmp_path / "env.json").read_text())
+    assert seen["ZB_FULL"] == "1" and seen["ZB_VERBOSE"] == "1" and seen["TQDM_DISABLE"] is None
