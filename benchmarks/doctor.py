@@ -66,7 +66,7 @@ else:
     with contextlib.redirect_stdout(io.StringIO()) as out:
         code = cli.main(args)
     text = out.getvalue()
-    found = re.search(r"(\d+) of (\d+) buffers differ", text)
+    found = re.search(r"(\d+) of (\d+) (?:buffers|tensors) differ", text)
     result = int(found.group(1)) if found else -1
 seconds = time.perf_counter() - start
 peak[0] = max(peak[0], rss_anon())
