@@ -124,7 +124,8 @@ class Table:
         """The last column and BUG / FIX explained; then the other kinds of row this table has, if any."""
         kinds = dict(KINDS, **self.kinds)
         others = [k for k in dict.fromkeys(k.split()[0] for k, _, _, _ in self.rows) if k not in ("BUG", "FIX")]
-        return [LEGEND] + (["; ".join(f"{k}: {kinds[k]}" for k in others if k in kinds)] if others else [])
+        said = [f"{k} = {kinds[k]}" for k in others if k in kinds]
+        return [LEGEND] + (["other rows: " + "; ".join(said)] if said else [])
 
     def render(self) -> str:
         head = ["", "case", *self.columns, EXPECTED]

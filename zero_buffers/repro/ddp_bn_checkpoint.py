@@ -270,7 +270,7 @@ def main() -> None:
                   ["broadcast_buffers", "accuracy %", "vs oracle", "vs default"],
                   kinds={"PART": "a partial remedy, exact for what it computes, not enough for site-shifted data "
                                  "(see the docstring)",
-                         "SAME": "broadcast on: every rank holds rank 0's statistics, so the average must change "
+                         "SAME": "(broadcast on) every rank holds rank 0's statistics, so the average must change "
                                  "nothing and say so",
                          "REF": "for comparison"})
     if rank == 0:
