@@ -1,8 +1,11 @@
-"""The zero-buffers CLI's ``list`` and ``repro``: every bundled repro script runs on real ranks and shows each bug and
-its fix, ``--timeout`` kills the launcher and every rank, and the ddp_bn_checkpoint repro (incident 2 on the
-ResNet-34 architecture, ``--quick``) prints the honest table."""
+"""The zero-buffers CLI's ``list`` and ``repro``: every bundled repro script runs on real ranks (its quick run, the
+default) and shows each bug and its fix in a table with its title first and a legend, quietly (no other library's
+DeepSpeed accelerator line, FutureWarning or progress bar unless ``ZB_VERBOSE=1``); each declares its
+``BUDGET_SECONDS``; ``--timeout`` kills the launcher and every rank; the ddp_bn_checkpoint repro (incident 2 on the
+ResNet-34 architecture, quick) prints the honest table."""
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -14,6 +17,11 @@ import pytest
 from tests.helpers import run_cmd
 from zero_buffers import cli
 
+# Other libraries' known noise in a repro's output: DeepSpeed's accelerator line, FutureWarnings / DeprecationWarnings,
+# tqdm progress bars (a carriage return, or "NN%|" once text mode turned the carriage returns into newlines).
+NOISE = re.compile(r"Setting accelerator to CPU|FutureWarning|DeprecationWarning|\r|\d+%\|")
+LEGEND = "as expected: BUG rows reproduce the failure without the fix"
+
 
 def _cli(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """The CLI in its own session; a repro gets a ``--timeout`` 30 s under the test's so the CLI's own cleanup
@@ -21,6 +29,30 @@ def _cli(*args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     if args[:1] == ("repro",) and "--timeout" not in args:
         args = (*args, "--timeout", f"{timeout - 30:g}")
     return run_cmd([sys.executable, "-m", "zero_buffers.cli", *args], timeout, **kw)
+
+
+def _noise(out: subprocess.CompletedProcess) -> list[str]:
+    """The lines of stdout and stderr that are other libraries' known noise."""
+    return [line for line in (out.stdout + out.stderr).splitlines() if NOISE.search(line)]
+
+
+def _shows_one_table(out: subprocess.CompletedProcess, name: str, launcher_lines: int = 0) -> None:
+    """A passing run printed one table: its title before its column header, a BUG row before the first FIX row,
+    the legend, one RESULT line, and none of other libraries' noise (``launcher_lines`` DeepSpeed accelerator lines
+    may come from the launcher's own process)."""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    titles = [i for i, line in enumerate(lines) if line.startswith(f"{name}: ")]
+    headers = [i for i, line in enumerate(lines) if " case " in line and line.rstrip().endswith("as expected")]
+    assert len(titles) == 1 and len(headers) == 1 and titles[0] < headers[0], f"{name}: title, then table\n" + \
+        out.stdout
+    kinds = [line.split()[0] for line in lines[headers[0]:] if line.startswith(("BUG", "FIX"))]
+    assert kinds and kinds[0] == "BUG" and "FIX" in kinds, f"{name}: BUG rows, then FIX rows: {kinds}"
+    assert sum(line.startswith(LEGEND) for line in lines) == 1, f"{name}: no legend under the table\n" + out.stdout
+    assert out.stdout.count("RESULT: ") == 1 and "RESULT: all fixes hold" in out.stdout
+    noise = [line for line in _noise(out) if not (launcher_lines and "Setting accelerator to CPU" in line)]
+    assert not noise, f"{name}: other libraries' noise in the output without ZB_VERBOSE: {noise}"
+    assert sum("Setting accelerator to CPU" in line for line in _noise(out)) <= launcher_lines, _noise(out)
 
 
 def _alive(pid: int) -> bool:
@@ -40,9 +72,9 @@ def test_list_names_every_repro_with_its_summary():
 
 @pytest.mark.parametrize("name,bugs,fixes", [("zero3_load_buffers", 4, 6), ("zero3_frozen_tokenizer", 1, 4),
                                              ("zero3_frozen_hf_accelerate", 3, 2)])
-def test_zero3_repro_shows_every_bug_and_fix(name, bugs, fixes):
+def test_zero3_repro_shows_every_bug_and_fix_quietly(name, bugs, fixes):
     out = _cli("repro", name, "--nproc", "2")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _shows_one_table(out, name)
     rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
     assert "RESULT: all fixes hold" in out.stdout
     assert sum(r.startswith("BUG") for r in rows) == bugs and sum(r.startswith("FIX") for r in rows) == fixes
@@ -50,9 +82,12 @@ def test_zero3_repro_shows_every_bug_and_fix(name, bugs, fixes):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_buffers_diverge_shows_the_bug_and_each_fix(nproc):
+def test_buffers_diverge_shows_the_bug_and_each_fix_title_first(nproc):
     out = _cli("repro", "buffers_diverge", "--nproc", str(nproc))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _shows_one_table(out, "buffers_diverge")
+    report = out.stdout.index("buffer_report of the BUG case")
+    assert out.stdout.index("buffers_diverge: ") < out.stdout.index(LEGEND) < report < out.stdout.index("RESULT")
+    assert "4 of 6 buffers differ across ranks" in out.stdout[report:]
     lines = {line.split("  ")[0]: line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))}
     assert "RESULT: all fixes hold" in out.stdout and f"{nproc} ranks" in out.stdout
     bug = next(line for line in out.stdout.splitlines() if line.startswith("BUG"))
@@ -63,7 +98,7 @@ def test_buffers_diverge_shows_the_bug_and_each_fix(nproc):
 
 def test_fsdp2_repro_shows_each_bug_and_its_fix():
     out = _cli("repro", "fsdp2_buffers", "--nproc", "2")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _shows_one_table(out, "fsdp2_buffers")
     rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
     assert "RESULT: all fixes hold" in out.stdout and "2 ranks" in out.stdout
     assert [r[:3] for r in rows] == ["BUG", "FIX"] * 5 and all(r.rstrip().endswith("yes") for r in rows)
@@ -73,7 +108,7 @@ def test_fsdp2_repro_shows_each_bug_and_its_fix():
 
 def test_ema_codebook_repro_shows_the_lost_updates_and_the_exact_fix():
     out = _cli("repro", "ema_codebook", "--nproc", "2")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _shows_one_table(out, "ema_codebook")
     rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX", "REF"))]
     assert "RESULT: all fixes hold" in out.stdout and [r[:3] for r in rows] == ["BUG", "BUG", "FIX", "REF"]
     assert all(r.rstrip().endswith("yes") for r in rows[:3])
@@ -87,7 +122,7 @@ def test_unknown_repro_is_a_usage_error():
 @pytest.mark.parametrize("name,rows", [("zero3_frozen_hf_accelerate", 5), ("zero3_frozen_tokenizer", 5)])
 def test_incident_1_repros_run_under_accelerate_launch_with_deepspeed_zero3(name, rows):
     out = _cli("repro", name, "--nproc", "2", "--launcher", "accelerate")
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _shows_one_table(out, name, launcher_lines=1)  # accelerate launch imports DeepSpeed in its own process too
     assert "--launcher accelerate" in out.stdout and "RESULT: all fixes hold" in out.stdout
     found = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
     assert len(found) == rows and all(r.rstrip().endswith("yes") for r in found)
@@ -126,11 +161,11 @@ def _rows(stdout: str) -> dict[tuple[str, str], list[str]]:
     return out
 
 
-def test_resnet34_repro_quick_global_batch_recompute_reaches_the_oracle_and_averaging_identical_stats_says_so():
-    out = run_cmd([sys.executable, "-m", "zero_buffers.cli", "repro", "ddp_bn_checkpoint", "--nproc", "2", "--quick",
+def test_resnet34_repro_quick_by_default_global_recompute_reaches_the_oracle_and_averaging_same_stats_says_so():
+    out = run_cmd([sys.executable, "-m", "zero_buffers.cli", "repro", "ddp_bn_checkpoint", "--nproc", "2",
                    "--timeout", "270"], timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "RESULT: all fixes hold" in out.stdout and "ResNet-34 (quick" in out.stdout and "2 ranks" in out.stdout
+    _shows_one_table(out, "ddp_bn_checkpoint")
+    assert "ResNet-34 (quick" in out.stdout and "2 ranks" in out.stdout
     rows = _rows(out.stdout)
     acc = {key: float(r[3]) for key, r in rows.items()}
     for b in ("False", "True"):
@@ -140,7 +175,83 @@ def test_resnet34_repro_quick_global_batch_recompute_reaches_the_oracle_and_aver
         assert fix[0] == "FIX" and fix[-1] == "yes"
         assert abs(float(fix[3]) - oracle) <= 2 and float(fix[3]) >= default + 5
         assert oracle >= default + 5  # the default checkpoint (rank 0's statistics) clearly loses accuracy
+        assert rows[("save_state as is (rank 0's statistics)", b)][-1] == "yes"  # the BUG row: reproduced
+    # the incident: with broadcast off the distributed eval during training (each rank its own site) looked fine
+    assert acc[("distributed eval during training (own site, the statistics each rank holds)", "False")] >= \
+        acc[("save_state as is (rank 0's statistics)", "False")] + 5
     same = rows[("average_bn_stats / sync_buffers_on_save(acc, 'average')", "True")]
     assert same[0] == "SAME" and same[-1] == "yes" and "warned: nothing to merge" in out.stdout
     assert acc[("average_bn_stats / sync_buffers_on_save(acc, 'average')", "True")] == \
         acc[("save_state as is (rank 0's statistics)", "True")]
+
+
+def test_every_repro_declares_its_budget_for_the_quick_and_the_full_run():
+    """``BUDGET_SECONDS = {"quick": int, "full": int}``, a literal the CLI reads with ast (its timeout)."""
+    for name in cli.scripts(cli.repro_dir()):
+        tree = ast.parse((cli.repro_dir() / f"{name}.py").read_text())
+        found = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "BUDGET_SECONDS" for t in node.targets)]
+        assert len(found) == 1, f"{name}.py: no top-level BUDGET_SECONDS"
+        budget = ast.literal_eval(found[0])
+        assert set(budget) == {"quick", "full"} and all(isinstance(v, int) and v > 0 for v in budget.values()), \
+            f"{name}.py: BUDGET_SECONDS = {budget!r}"
+        assert budget["quick"] <= budget["full"], f"{name}.py: the quick run's budget exceeds the full run's"
+
+
+def _in_repro_dir(code: str, unset: tuple[str, ...] = (), **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with the repro folder first on sys.path (as a running repro script has it),
+    the variables in ``unset`` removed from its environment and ``env`` added."""
+    prelude = f"import sys; sys.path.insert(0, {str(cli.repro_dir())!r})\n"
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    out = run_cmd([sys.executable, "-c", prelude + code], 120, env={**environ, **env})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_quick_is_the_default_and_zb_full_selects_the_full_width_ddp_run():
+    code = "import ddp_bn_checkpoint as d; print(d.WIDTHS, d.BATCH, d.BN_MOMENTUM)"
+    unset = ("ZB_FULL", "ZB_QUICK")
+    assert _in_repro_dir(code, unset).stdout.split("\n")[0] == "[16, 32, 64, 128] 32 0.3"
+    assert _in_repro_dir(code, unset, ZB_QUICK="1").stdout.split("\n")[0] == "[16, 32, 64, 128] 32 0.3"
+    assert _in_repro_dir(code, unset, ZB_FULL="1").stdout.split("\n")[0] == "[64, 128, 256, 512] 16 None"
+
+
+QUIET = """
+import _common, warnings
+import zero_buffers as zb
+_common.quiet()
+torch_warns = compile("import warnings; warnings.warn('old torch API', FutureWarning)", "torch_mod", "exec")
+exec(torch_warns, {"__name__": "torch.distributed.c10d_logger"})  # a FutureWarning issued inside torch
+exec(compile("import warnings; warnings.warn('old DeepSpeed API', FutureWarning)", "ds_mod", "exec"),
+     {"__name__": "deepspeed.runtime.zero"})
+exec(compile("import warnings, zero_buffers as zb; warnings.warn(zb.ZeroBuffersWarning('ours'))", "zb_mod", "exec"),
+     {"__name__": "zero_buffers.bn.average"})
+exec(compile("import warnings; warnings.warn('our deprecation', FutureWarning)", "zb_mod2", "exec"),
+     {"__name__": "zero_buffers.sync"})
+import os
+print(os.environ.get("TQDM_DISABLE"), os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), os.environ.get("DS_ACCELERATOR"))
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_quiet_hides_other_libraries_deprecations_and_bars_but_never_zero_buffers_warnings(verbose):
+    import torch
+
+    out = _in_repro_dir(QUIET, ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "DS_ACCELERATOR", "ZB_VERBOSE"),
+                        **({"ZB_VERBOSE": "1"} if verbose else {}))
+    assert "ZeroBuffersWarning: ours" in out.stderr and "FutureWarning: our deprecation" in out.stderr
+    assert ("old torch API" in out.stderr) == verbose and ("old DeepSpeed API" in out.stderr) == verbose
+    ds = "cpu" if not torch.cuda.is_available() else "None"  # DeepSpeed finds a GPU itself, without a warning
+    assert out.stdout.split() == (["None", "None", "None"] if verbose else ["1", "1", ds])
+
+
+def test_zb_verbose_keeps_other_libraries_noise():
+    """The same script as above with ZB_VERBOSE=1: DeepSpeed's accelerator line (on each rank), torch's
+    FutureWarning and transformers' progress bars are back, which is what the quiet runs above do not show."""
+    out = _cli("repro", "zero3_frozen_hf_accelerate", "--nproc", "2", env={**os.environ, "ZB_VERBOSE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    import torch
+
+    noise = "\n".join(_noise(out))
+    assert "FutureWarning" in noise and "%|" in noise, noise
+    assert noise.count("Setting accelerator to CPU") == (0 if torch.cuda.is_available() else 2), noise

@@ -1,17 +1,81 @@
-"""Shared plumbing for the repro scripts: process-group setup from torchrun's environment and the BUG / FIX table."""
+"""Shared plumbing for the repro scripts: quiet output, quick / full runs, process-group setup from torchrun's
+environment and the BUG / FIX table.
+
+Quick by default: each script's default run is its quick one (seconds to a few tens of seconds on 2 CPU cores); env
+``ZB_FULL=1`` (``zero-buffers repro --full``) runs the full-width one. Each script states what both take in
+``BUDGET_SECONDS`` (a literal the CLI reads without importing the script).
+
+Quiet by default: importing this module from a running repro script (scripts import it first, before DeepSpeed,
+transformers or Accelerate) hides other libraries' known noise: their FutureWarnings and DeprecationWarnings (by
+the module that issued them; zero_buffers' own warnings still show), DeepSpeed's "Setting accelerator to CPU"
+(``DS_ACCELERATOR=cpu`` when there is no GPU), tqdm and Hugging Face progress bars, and transformers' / Accelerate's
+info logging. Env ``ZB_VERBOSE=1`` keeps all of it. A variable the user set already is left as it is.
+"""
 from __future__ import annotations
 
 import datetime
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+FULL = os.environ.get("ZB_FULL") == "1"  # else the quick run (the default; ZB_QUICK is no longer read)
+MODE = "full" if FULL else "quick"
+VERBOSE = os.environ.get("ZB_VERBOSE") == "1"
+
+# Other libraries whose FutureWarnings / DeprecationWarnings are noise here: warnings about their own APIs or the
+# torch APIs they call, nothing a repro reader can act on (zero_buffers is not among them).
+NOISY_MODULES = r"(torch|deepspeed|transformers|accelerate|huggingface_hub|safetensors|vector_quantize_pytorch|" \
+                r"einops|einx|lightning|lightning_fabric|pytorch_lightning|torchmetrics)(\.|$)"
+# Deprecations those libraries attribute to their caller (the repro script, ``__main__``): matched by message.
+NOISY_MESSAGES = (r".*broadcast_buffers.*deprecated",)
+QUIET_ENV = {
+    "TQDM_DISABLE": "1",  # tqdm reads it when imported
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # huggingface_hub reads it when imported; transformers' bars follow it
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "ACCELERATE_LOG_LEVEL": "error",
+}
+
+
+def quiet() -> None:
+    """Hide other libraries' known noise (see the module docstring); a no-op under ``ZB_VERBOSE=1``. Environment
+    variables act only on libraries imported after this call; the warning filters and log levels at once."""
+    if VERBOSE:
+        return
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        # DeepSpeed picks the CPU anyway, after a "Setting accelerator to CPU ..." warning on every rank
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=NOISY_MODULES)
+        for message in NOISY_MESSAGES:
+            warnings.filterwarnings("ignore", message=message, category=category)
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its info logs (accelerator, comm backend)
+    for logger in ("accelerate", "transformers"):
+        logging.getLogger(logger).setLevel(logging.ERROR)
+
+
+def _running_a_repro() -> bool:
+    """Whether the program running is a script in this folder (not, say, a benchmark importing one as a module)."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    return bool(main) and Path(main).resolve().parent == Path(__file__).resolve().parent
+
+
+if _running_a_repro():
+    quiet()
+
 
 def setup(seed: int = 0) -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes; returns (rank, world_size, device for tensors)."""
+    quiet()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     backend = os.environ.get("ZB_BACKEND") or ("nccl" if torch.cuda.is_available() and
@@ -30,33 +94,61 @@ def setup(seed: int = 0) -> tuple[int, int, torch.device]:
     return rank, dist.get_world_size(), device
 
 
+EXPECTED = "as expected"  # the last column: did the row come out as its kind says it should?
+LEGEND = (f"{EXPECTED}: BUG rows reproduce the failure without the fix ('yes' = the bug showed up, as it should); "
+          "FIX rows apply the fix ('yes' = fixed); 'n/a' = no pass criterion")
+KINDS = {"REF": "a reference value to compare with", "COST": "timings"}  # legend of the other kinds of row
+
+
 @dataclass
 class Table:
-    """Rows of (kind, case, measurements..., ok); printed once by rank 0."""
+    """Rows of (kind, case, measurements..., as expected); printed once, by rank 0, with a legend."""
 
     title: str
     columns: list[str]
     rows: list[tuple[str, str, list[str], bool | None]] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)  # legend text for this script's own kinds of row
+    notes: list[str] = field(default_factory=list)
 
     def add(self, kind: str, case: str, values: list[object], ok: bool | None) -> None:
-        """``ok=None`` marks a row that does not apply here (printed as n/a, never a failure)."""
+        """``ok``: whether the row came out as its kind expects (BUG: the bug reproduced; FIX: fixed); ``None``
+        marks a row without a pass criterion (printed as n/a, never a failure)."""
         self.rows.append((kind, case, [v if isinstance(v, str) else f"{v:.4g}" for v in values],
                           None if ok is None else bool(ok)))
 
+    def note(self, text: str) -> None:
+        """A line printed after the table and its legend (rank 0's; every rank may call it)."""
+        self.notes.append(text)
+
+    def legend(self) -> list[str]:
+        """The last column and BUG / FIX explained; then the other kinds of row this table has, if any."""
+        kinds = dict(KINDS, **self.kinds)
+        others = [k for k in dict.fromkeys(k.split()[0] for k, _, _, _ in self.rows) if k not in ("BUG", "FIX")]
+        said = [f"{k} = {kinds[k]}" for k in others if k in kinds]
+        return [LEGEND] + (["other rows: " + "; ".join(said)] if said else [])
+
     def render(self) -> str:
-        head = ["", "case", *self.columns, "holds"]
+        head = ["", "case", *self.columns, EXPECTED]
         body = [[k, c, *v, "n/a" if ok is None else "yes" if ok else "NO"] for k, c, v, ok in self.rows]
         widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [self.title, fmt.format(*head), fmt.format(*["-" * w for w in widths])]
-        return "\n".join([*lines, *(fmt.format(*r) for r in body)])
+        rows = [fmt.format(*r).rstrip() for r in body]
+        return "\n".join([*(line.rstrip() for line in lines), *rows, *self.legend(), *self.notes])
+
+    def failures(self) -> list[str]:
+        """The rows that did not come out as expected, said in words."""
+        said = {"BUG": "bug not reproduced", "FIX": "fix does not hold"}
+        return [f"{k} {c!r} ({said.get(k.split()[0], 'not as expected')})" for k, c, _, ok in self.rows
+                if ok is False]
 
     def finish(self) -> None:
-        """Print on rank 0, tear down, exit non-zero (on every rank) if a row does not hold."""
-        ok = all(r[3] is not False for r in self.rows)
+        """Print on rank 0, tear down, exit non-zero (on every rank) if a row is not as expected."""
+        failed = self.failures()
         if dist.get_rank() == 0:
             print(self.render(), flush=True)
-            print(f"RESULT: {'all fixes hold' if ok else 'A FIX DOES NOT HOLD'}", flush=True)
+            print("RESULT: all fixes hold" if not failed else f"RESULT: NOT AS EXPECTED: {'; '.join(failed)}",
+                  flush=True)
         dist.barrier()
         dist.destroy_process_group()
         sys.stdout.flush()
@@ -64,7 +156,7 @@ class Table:
         # All work is done and printed. Under `accelerate launch` (DeepSpeed, gloo) an interpreter teardown
         # occasionally aborted with "terminate called without an active exception" (a C++ thread destroyed
         # at exit; 1 run in 6 here), turning a passing run into a ChildFailedError. os._exit skips that teardown.
-        os._exit(0 if ok else 1)
+        os._exit(1 if failed else 0)
 
 
 def setup_deepspeed(seed: int = 0) -> tuple[int, int, torch.device]:

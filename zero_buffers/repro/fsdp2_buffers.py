@@ -5,8 +5,12 @@ garbage or meta buffers, dcp.save writes one rank's diverged BatchNorm statistic
 in every forward.
 
 Run: zero-buffers repro fsdp2_buffers --nproc 2   (or: torchrun --nproc-per-node 2 repro/fsdp2_buffers.py)
+Quick and full (ZB_FULL=1) are the same run: it is all start-up.
 """
 from __future__ import annotations
+
+# _common first: it quiets other libraries' noise before they are imported (ZB_VERBOSE=1 keeps it)
+from _common import Table, setup
 
 import tempfile
 import warnings
@@ -19,7 +23,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import zero_buffers as zb
-from _common import Table, setup
+
+# Wall seconds under torchrun --nproc-per-node=2 on an idle 2-core machine, about 1.5x measured (the CLI's timeout).
+BUDGET_SECONDS = {"quick": 20, "full": 20}
 
 DEVICE = torch.device("cpu")  # set by main(): CPU with gloo, one GPU per rank with nccl
 

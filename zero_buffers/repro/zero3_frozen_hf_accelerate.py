@@ -2,8 +2,12 @@
 
 Run: zero-buffers repro zero3_frozen_hf_accelerate --nproc 2
      (or: accelerate launch --num_processes 2 --use_deepspeed --zero_stage 3 --zero3_init_flag true repro/zero3_frozen_hf_accelerate.py)
+Quick and full (ZB_FULL=1) are the same run: it is all start-up.
 """
 from __future__ import annotations
+
+# _common first: it quiets other libraries' noise before they are imported (ZB_VERBOSE=1 keeps it)
+from _common import Table, all_ranks, max_output_diff, setup_deepspeed, shared_tmpdir
 
 import deepspeed
 import torch
@@ -14,7 +18,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 import zero_buffers as zb
-from _common import Table, all_ranks, max_output_diff, setup_deepspeed, shared_tmpdir
+
+# Wall seconds under torchrun --nproc-per-node=2 on an idle 2-core machine, about 1.5x measured (the CLI's timeout).
+BUDGET_SECONDS = {"quick": 25, "full": 25}
 
 
 class TokenizerConfig(PretrainedConfig):
