@@ -8,8 +8,9 @@ Quick by default: each script's default run is its quick one (seconds to a few t
 Quiet by default: importing this module from a running repro script (scripts import it first, before DeepSpeed,
 transformers or Accelerate) hides other libraries' known noise: their FutureWarnings and DeprecationWarnings (by
 the module that issued them; zero_buffers' own warnings still show), DeepSpeed's "Setting accelerator to CPU"
-(``DS_ACCELERATOR=cpu`` when there is no GPU), tqdm and Hugging Face progress bars, and transformers' / Accelerate's
-info logging. Env ``ZB_VERBOSE=1`` keeps all of it. A variable the user set already is left as it is.
+(``DS_ACCELERATOR=cpu`` when there is no GPU) and its info logs, tqdm and Hugging Face progress bars, and
+transformers' / Accelerate's log lines below errors. Env ``ZB_VERBOSE=1`` keeps all of it. An environment variable
+the user set already is left as it is. Rank 0 alone prints the table (``Table.finish``).
 """
 from __future__ import annotations
 
