@@ -282,6 +282,9 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if unknown:
         parser.error(f"unknown repro {unknown[0]!r}; choose from: {', '.join(found)}")
     backend = args.backend or default_backend(args.nproc)
+    # ZB_FULL=1 / ZB_VERBOSE=1 in the caller's environment mean what the flags mean (the scripts read them too)
+    args.full = args.full or os.environ.get("ZB_FULL") == "1"
+    args.verbose = args.verbose or os.environ.get("ZB_VERBOSE") == "1"
     mode = "full" if args.full else "quick"
     outcomes = []
     for name in names:
@@ -362,10 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
                     help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
     rp.add_argument("--full", action="store_true",
-                    help="the full-size run the docs' tables quote (default: a quick run, where a script has one)")
+                    help="the full-size run the docs' tables quote (default: a quick run, where a script has one; "
+                         "ZB_FULL=1 in the environment too)")
     rp.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # deprecated: the default now, a no-op
     rp.add_argument("--verbose", action="store_true",
-                    help="keep other libraries' logs and progress bars (hidden by default)")
+                    help="keep other libraries' logs and progress bars (hidden by default; ZB_VERBOSE=1 in the "
+                         "environment too)")
     rp.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="seconds per script, then it and all its ranks are killed (default: 4x the script's time "
                          f"budget, at least {MIN_TIMEOUT:g}; {DEFAULT_TIMEOUT:g} for a script without one)")

@@ -302,3 +302,19 @@ def test_repro_summary_says_killed_failed_and_ok_in_words_and_the_killed_ranks_a
     assert "--quick is the default now and does nothing" in out.stderr
     seen = json.loads((tmp_path / "env.json").read_text())
     assert seen["ZB_FULL"] == "1" and seen["ZB_VERBOSE"] == "1" and seen["TQDM_DISABLE"] is None
+
+
+def test_zb_full_and_zb_verbose_in_the_environment_mean_the_flags(tmp_path):
+    # A caller's ZB_VERBOSE=1 reaches the script and keeps other libraries' output; ZB_FULL=1 picks the full
+    # budget as --full does (the timeout would otherwise kill a full run at its quick budget).
+    (tmp_path / "repro").mkdir()
+    (tmp_path / "repro" / "envcheck.py").write_text(
+        '"""prints its environment"""\nBUDGET_SECONDS = {"quick": 3, "full": 40}\nimport os\n'
+        'if int(os.environ.get("RANK", 0)) == 0:\n'
+        '    print("ENV", os.environ.get("ZB_FULL"), os.environ.get("ZB_VERBOSE"), os.environ.get("TQDM_DISABLE"))\n'
+        '    print("RESULT: all fixes hold")\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "ZB_FULL", "ZB_VERBOSE")}
+    env.update(ZERO_BUFFERS_REPRO_DIR=str(tmp_path / "repro"), ZB_FULL="1", ZB_VERBOSE="1")
+    out = _cli("repro", "envcheck", "--nproc", "1", "--backend", "gloo", timeout=120, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "ENV 1 1 None" in out.stdout and "(full run, at most 160 s)" in out.stdout, out.stdout

@@ -227,7 +227,9 @@ def run(broadcast: bool, rank: int, world: int, device: torch.device, folder: st
         warnings.simplefilter("always", zb.ZeroBuffersWarning)
         with zb.sync_buffers_on_save(accelerator, "average"):
             accelerator.save_state(out("average"))
-    said = any("already held the same" in str(w.message) for w in seen)
+    said_here = torch.tensor([int(any("already held the same" in str(w.message) for w in seen))])
+    dist.all_reduce(said_here, op=dist.ReduceOp.MAX)  # the library warns on the group's first rank only
+    said = bool(said_here.item())
     rows.append(("SAME" if broadcast else "PART", "average_bn_stats / sync_buffers_on_save(acc, 'average')" +
                  (" (warned: nothing to merge)" if said else ""), one_process(saved(out("average")), world, device),
                  "same" if broadcast else None))
