@@ -369,11 +369,15 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
 
 
 def _slabs(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
-    """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once): the
-    largest of the buckets :func:`_compare_with_reference` sends, small tensors packed together, a larger one cut."""
+    """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once). Which
+    buffers differ is known only after this allocation has been voted on, and the slices of any subset pack up to
+    the whole of one (device, dtype): so the bound is that total, capped by the slice size."""
+    total: dict[tuple[torch.device, torch.dtype], int] = {}
+    for t in tensors:
+        total[t.device, t.dtype] = total.get((t.device, t.dtype), 0) + t.numel() * t.element_size()
     need: dict[torch.device, int] = {}
-    for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
-        need[bucket.device] = max(need.get(bucket.device, 0), min(bucket.nbytes, SLICE_BYTES))
+    for (device, _), n in total.items():
+        need[device] = max(need.get(device, 0), min(n, SLICE_BYTES))
     return {d: torch.empty(-(-n // 64) * 64 + 64, dtype=torch.uint8, device=d) for d, n in need.items() if n}
 
 

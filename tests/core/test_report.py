@@ -655,3 +655,28 @@ def test_a_large_differing_buffer_is_compared_in_bounded_slices_exactly(ranks, s
     from zero_buffers import report as report_mod
 
     assert report_mod.SLICE_BYTES // MiB == 4  # the default: a few MiB
+
+
+def _outer_buffers_differ(rank, world):
+    """float32 buffers of 2, 2.5 and 2 KiB under a 4 KiB slice: only the outer two differ, and they travel packed
+    together (4 KiB) though no bucket of all three buffers is larger than 2.5 KiB."""
+    from zero_buffers import report as report_mod
+
+    model = nn.Module()
+    model.register_buffer("a", torch.full((512,), float(rank)))
+    model.register_buffer("same", torch.ones(640))
+    model.register_buffer("b", torch.full((512,), 2.0 * rank))
+    real = report_mod.SLICE_BYTES
+    report_mod.SLICE_BYTES = 4096
+    try:
+        return zb.buffer_report(model)
+    finally:
+        report_mod.SLICE_BYTES = real
+
+
+def test_the_scratch_holds_what_the_differing_buffers_pack_not_what_all_of_them_do(ranks):
+    world = ranks.world_size
+    reports = ranks.run(_outer_buffers_differ)
+    assert all(r == reports[0] for r in reports)
+    rows = {row.name: row for row in reports[0].rows}
+    assert rows["same"].in_sync and rows["a"].max_abs_diff == world - 1 and rows["b"].max_abs_diff == 2 * (world - 1)
