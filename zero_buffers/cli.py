@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import json
 import math
 import os
@@ -120,7 +121,9 @@ class Limit:
 
 
 def default_backend(nproc: int) -> str:
-    """nccl when there is one GPU per rank, else gloo."""
+    """nccl when there is one GPU per rank, else gloo (without importing torch where Linux shows no NVIDIA device)."""
+    if sys.platform.startswith("linux") and not any(Path("/dev").glob("nvidia[0-9]*")):
+        return "gloo"
     try:
         import torch
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
@@ -138,7 +141,10 @@ def _free_port() -> int:
 
 
 def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
-    """torchrun, or ``accelerate launch`` with DeepSpeed ZeRO-3 (the recipe that works on CPU)."""
+    """The ranks started directly (``_launch.py``, run by path: no torch import, no agent), torchrun, or
+    ``accelerate launch`` with DeepSpeed ZeRO-3 (the recipe that works on CPU)."""
+    if launcher == "local":
+        return [sys.executable, str(Path(__file__).with_name("_launch.py")), str(nproc), str(path)]
     if launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={nproc}", "--num_machines=1",
                 "--mixed_precision=no", "--dynamo_backend=no", "--use_deepspeed", "--zero_stage=3",
@@ -182,27 +188,67 @@ class Outcome:
     printed_result: bool
 
 
-def _pump(stream: IO[bytes], seen: list[bytes]) -> None:
-    """Copy the script's output to ours as it comes, remembering its RESULT line."""
-    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
-    for line in iter(stream.readline, b""):
-        if line.startswith(b"RESULT:"):
-            seen.append(line)
-        if out is not None:
-            out.write(line)
+class InOrder:
+    """The scripts' output in the order they were listed, whatever order they run in: the first unfinished script's
+    lines are written as they come, a later one's are held until every script before it has finished, then written
+    at once and live from there. Each line keeps its stream (stdout or stderr)."""
+
+    def __init__(self, n: int) -> None:
+        self._lock = threading.Lock()
+        self._head = 0
+        self._held: list[list[tuple[str, bytes]]] = [[] for _ in range(n)]
+        self._done = [False] * n
+
+    @staticmethod
+    def _emit(stream: str, data: bytes) -> None:
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        raw = getattr(out, "buffer", None)
+        if raw is not None:
             out.flush()
+            raw.write(data)
+            raw.flush()
         else:
-            sys.stdout.write(line.decode(errors="replace"))
-            sys.stdout.flush()
+            out.write(data.decode(errors="replace"))
+            out.flush()
+
+    def write(self, i: int, stream: str, data: bytes) -> None:
+        with self._lock:
+            if i == self._head:
+                self._emit(stream, data)
+            else:
+                self._held[i].append((stream, data))
+
+    def finish(self, i: int) -> None:
+        with self._lock:
+            self._done[i] = True
+            while self._head < len(self._done) and self._done[self._head]:
+                self._head += 1
+                if self._head < len(self._done):
+                    for stream, data in self._held[self._head]:
+                        self._emit(stream, data)
+                    self._held[self._head].clear()
 
 
-def run_one(path: Path, nproc: int, backend: str, limit: Limit, launcher: str = "torchrun", full: bool = False,
-            verbose: bool = False) -> Outcome:
-    """Run one script on ``nproc`` local ranks, its output shown as it comes.
+_RUNNING: dict[str, subprocess.Popen] = {}  # tag -> launcher, while it runs: Ctrl-C kills them all
+_RUNNING_LOCK = threading.Lock()
+
+
+def _pump(stream: IO[bytes], name: str, sink: InOrder, i: int, seen: list[bytes]) -> None:
+    """Copy one of the script's streams to ours (through ``sink``), remembering its RESULT line."""
+    for line in iter(stream.readline, b""):
+        if name == "stdout" and line.startswith(b"RESULT:"):
+            seen.append(line)
+        sink.write(i, name, line)
+
+
+def run_one(path: Path, nproc: int, backend: str, limit: Limit, launcher: str = "local", full: bool = False,
+            verbose: bool = False, sink: InOrder | None = None, i: int = 0) -> Outcome:
+    """Run one script on ``nproc`` local ranks, its output (stdout and stderr) passed to ``sink`` as it comes.
 
     The launcher runs in its own session with a tag in its environment; past ``limit`` seconds, on Ctrl-C and after
     it exits, its process group and every tagged process (torchrun gives each rank a session of its own) are killed.
     """
+    sink = sink or InOrder(1)
     tag = f"ZERO_BUFFERS_RUN_{uuid.uuid4().hex}"
     env = child_env(backend, full, verbose)
     env[tag] = "1"
@@ -210,22 +256,38 @@ def run_one(path: Path, nproc: int, backend: str, limit: Limit, launcher: str = 
     seen: list[bytes] = []
     started = time.monotonic()
     code: int | None
-    with subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE) as proc:
-        assert proc.stdout is not None
-        pump = threading.Thread(target=_pump, args=(proc.stdout, seen), daemon=True)
-        pump.start()
+    with subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        with _RUNNING_LOCK:
+            _RUNNING[tag] = proc
+        assert proc.stdout is not None and proc.stderr is not None
+        pumps = [threading.Thread(target=_pump, args=(stream, name, sink, i, seen), daemon=True)
+                 for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+        for pump in pumps:
+            pump.start()
         try:
             code = proc.wait(timeout=limit.seconds)
         except subprocess.TimeoutExpired:
-            print(f"zero-buffers: {path.stem} did not finish within {limit.seconds:g} s ({limit.why}); killed it "
-                  "and every rank it started", file=sys.stderr, flush=True)
             code = None
         finally:
             _proc.kill_tree(proc, tag)
-            pump.join(timeout=10)
+            with _RUNNING_LOCK:
+                _RUNNING.pop(tag, None)
+            for pump in pumps:
+                pump.join(timeout=10)
+        if code is None:
+            sink.write(i, "stderr", f"zero-buffers: {path.stem} did not finish within {limit.seconds:g} s "
+                                    f"({limit.why}); killed it and every rank it started\n".encode())
     seconds = time.monotonic() - started
     failed = any(b"DOES NOT HOLD" in line.upper() for line in seen)
     return Outcome(path.stem, code, seconds, limit, failed, bool(seen))
+
+
+def _kill_running() -> None:
+    with _RUNNING_LOCK:
+        running = list(_RUNNING.items())
+    for tag, proc in running:
+        _proc.kill_tree(proc, tag)
 
 
 def _rerun(o: Outcome, args: argparse.Namespace, backend: str, timeout: float | None = None) -> str:
@@ -234,7 +296,7 @@ def _rerun(o: Outcome, args: argparse.Namespace, backend: str, timeout: float | 
         cmd += ["--nproc", str(args.nproc)]
     if args.backend:
         cmd += ["--backend", backend]
-    if args.launcher != "torchrun":
+    if args.launcher != "local":
         cmd += ["--launcher", args.launcher]
     if args.full:
         cmd.append("--full")
@@ -274,6 +336,8 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--nproc must be >= 1")
     if args.timeout is not None and not args.timeout > 0:
         parser.error("--timeout must be > 0")
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
     if args.quick:
         print("zero-buffers: --quick is the default now and does nothing; --full runs the full-width tables",
               file=sys.stderr)
@@ -286,13 +350,30 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.full = args.full or os.environ.get("ZB_FULL") == "1"
     args.verbose = args.verbose or os.environ.get("ZB_VERBOSE") == "1"
     mode = "full" if args.full else "quick"
-    outcomes = []
-    for name in names:
+    sink = InOrder(len(names))
+
+    def one(i: int, name: str) -> Outcome:
         path = folder / f"{name}.py"
         limit = Limit.of(path, mode, args.timeout)
-        print(f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher {args.launcher}"
-              f"{' --full' if args.full else ''}  ({mode} run, at most {limit.seconds:g} s)", flush=True)
-        outcomes.append(run_one(path, args.nproc, backend, limit, args.launcher, args.full, args.verbose))
+        sink.write(i, "stdout", f"=== zero-buffers repro {name} --nproc {args.nproc} --backend {backend} --launcher "
+                                f"{args.launcher}{' --full' if args.full else ''}  ({mode} run, at most "
+                                f"{limit.seconds:g} s)\n".encode())
+        try:
+            return run_one(path, args.nproc, backend, limit, args.launcher, args.full, args.verbose, sink, i)
+        finally:
+            sink.finish(i)
+
+    # side by side: a script's ranks wait on each other much of the time, so on 2 cores two
+    # scripts at once finish sooner than one after the other; their output still comes in the listed order (InOrder)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(names)))) as pool:
+        futures = [pool.submit(one, i, name) for i, name in enumerate(names)]
+        try:
+            outcomes = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            _kill_running()
+            raise
     print("\n=== summary")
     width = max(len(o.name) for o in outcomes)
     for o in outcomes:
@@ -362,8 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
     rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl with one GPU per rank, else gloo on CPU")
-    rp.add_argument("--launcher", choices=["torchrun", "accelerate"], default="torchrun",
-                    help="torchrun (default) or accelerate launch with DeepSpeed ZeRO-3")
+    rp.add_argument("--launcher", choices=["local", "torchrun", "accelerate"], default="local",
+                    help="local (default: the ranks started directly, with the variables torchrun sets), torchrun, "
+                         "or accelerate launch with DeepSpeed ZeRO-3")
+    rp.add_argument("--jobs", type=int, default=2,
+                    help="scripts run at the same time (default 2; 1: one after the other); the output still comes "
+                         "in the listed order")
     rp.add_argument("--full", action="store_true",
                     help="the full-size run the docs' tables quote (default: a quick run, where a script has one; "
                          "ZB_FULL=1 in the environment too)")

@@ -250,6 +250,48 @@ def _alive(pid: int) -> bool:
         return False
 
 
+FIRST = '''"""Listed first, finishes last: writes a line on each stream after a while."""
+import os
+import pathlib
+import sys
+import time
+
+if os.environ.get("RANK") == "0":
+    time.sleep(4)
+    print("A-OUT", flush=True)
+    print("A-ERR", file=sys.stderr, flush=True)
+    pathlib.Path(os.environ["ZB_TEST_DIR"], "a_end").write_text(repr(time.time()))
+'''
+SECOND = '''"""Listed second, done at once."""
+import os
+import pathlib
+import sys
+import time
+
+if os.environ.get("RANK") == "0":
+    pathlib.Path(os.environ["ZB_TEST_DIR"], "b_start").write_text(repr(time.time()))
+    print("B-OUT", flush=True)
+    print("B-ERR", file=sys.stderr, flush=True)
+'''
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_repros_run_side_by_side_with_their_output_in_the_listed_order(tmp_path, jobs):
+    repro = tmp_path / "repro"
+    repro.mkdir()
+    (repro / "a_first.py").write_text(FIRST)
+    (repro / "b_second.py").write_text(SECOND)
+    env = dict(os.environ, ZERO_BUFFERS_REPRO_DIR=str(repro), ZB_TEST_DIR=str(tmp_path))
+    out = _cli("repro", "--backend", "gloo", "--jobs", str(jobs), timeout=120, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("=== zero-buffers repro", "A-", "B-"))]
+    assert [line.split()[2] if line.startswith("===") else line for line in lines] == [
+        "repro", "A-OUT", "repro", "B-OUT"] and "a_first" in lines[0] and "b_second" in lines[2], out.stdout
+    assert out.stderr.index("A-ERR") < out.stderr.index("B-ERR"), out.stderr
+    overlapped = float((tmp_path / "b_start").read_text()) < float((tmp_path / "a_end").read_text())
+    assert overlapped == (jobs == 2)  # with 2 jobs the second ran while the first slept
+
+
 def test_budget_is_read_without_importing_the_script(tmp_path):
     (tmp_path / "a.py").write_text('raise SystemExit("imported!")\nBUDGET_SECONDS = {"quick": 120, "full": 900}\n')
     (tmp_path / "b.py").write_text('"""No budget."""\n')

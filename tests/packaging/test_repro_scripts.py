@@ -139,16 +139,58 @@ time.sleep(600)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_timeout_kills_the_launcher_and_every_rank(tmp_path):
+@pytest.mark.parametrize("launcher", ["local", "torchrun"])
+def test_timeout_kills_the_launcher_and_every_rank(tmp_path, launcher):
     (tmp_path / "repro").mkdir()
     (tmp_path / "repro" / "hang.py").write_text(HANG)
     (tmp_path / "pids").mkdir()
     env = dict(os.environ, ZERO_BUFFERS_REPRO_DIR=str(tmp_path / "repro"), ZB_TEST_PIDS=str(tmp_path / "pids"))
-    out = _cli("repro", "hang", "--nproc", "2", "--timeout", "12", timeout=120, env=env)
+    out = _cli("repro", "hang", "--nproc", "2", "--timeout", "12", "--launcher", launcher, timeout=120, env=env)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert "hang did not finish within 12 s" in out.stderr and "KILLED after 12 s (--timeout 12)" in out.stdout
     pids = [int(p.name) for p in (tmp_path / "pids").iterdir()]
     assert len(pids) == 2 and not any(map(_alive, pids)), pids  # torchrun put each rank in its own session
+
+
+RANKS = '''"""Each rank writes what torchrun would tell it; rank 1 fails with 3 if ZB_TEST_FAIL is set, rank 0 waits."""
+import json
+import os
+import pathlib
+import time
+
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+out = pathlib.Path(os.environ["ZB_TEST_PIDS"])
+(out / f"{os.environ['RANK']}.json").write_text(json.dumps({k: os.environ.get(k) for k in keys} | {"pid": os.getpid()}))
+if os.environ.get("ZB_TEST_FAIL"):
+    if os.environ["RANK"] == "1":
+        raise SystemExit(3)
+    time.sleep(600)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_local_launcher_sets_torchruns_variables_and_one_failing_rank_stops_the_others():
+    import json
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script, pids = Path(tmp, "ranks.py"), Path(tmp, "pids")
+        script.write_text(RANKS)
+        pids.mkdir()
+        cmd = cli.launch_command(script, 3, "local")
+        env = dict(os.environ, ZB_TEST_PIDS=str(pids))
+        assert subprocess.run(cmd, env=env, timeout=120).returncode == 0
+        seen = [json.loads((pids / f"{r}.json").read_text()) for r in range(3)]
+        port = seen[0]["MASTER_PORT"]
+        for r, vars_ in enumerate(seen):
+            assert vars_ | {"pid": 0} == {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3",
+                                         "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": port, "pid": 0}, vars_
+        started = time.monotonic()
+        done = subprocess.run(cmd, env=dict(env, ZB_TEST_FAIL="1"), timeout=120)
+        assert done.returncode == 3 and time.monotonic() - started < 60  # rank 1's status; rank 0 did not sleep on
+        assert not any(_alive(json.loads((pids / f"{r}.json").read_text())["pid"]) for r in range(3))
 
 
 def _rows(stdout: str) -> dict[tuple[str, str], list[str]]:
