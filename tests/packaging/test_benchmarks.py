@@ -70,3 +70,33 @@ def test_quick_doctor_benchmark_checks_every_method_and_writes_its_outputs(tmp_p
     assert all(r["seconds"] > 0 and r["peak_rss_MiB"] > 0 for r in data["rows"])
     assert "quick mode" in (tmp_path / "doctor.md").read_text()
     assert (tmp_path / "doctor.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_bn_precision_benchmark_shows_bf16_statistics_stagnating_and_changing_a_frozen_tokenizers_codes(
+        tmp_path):
+    out = run_cmd([sys.executable, str(ROOT / "benchmarks" / "bn_precision.py"), "--quick", "--out", str(tmp_path)],
+                  timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["quick"] is True and data["meta"]["steps"] == 400
+    rows = {(r["variant"], r["momentum"]): r for r in data["stats"]}
+    for m in (0.1, 0.01):
+        bf16, fp32, kept = rows["bfloat16", m], rows["float32", m], rows["float32 layer, bfloat16 batch", m]
+        for stat in ("mean_rel", "var_rel"):  # against float64 on the same batches
+            assert bf16[stat] > 1e-2 and bf16[stat] > 1000 * fp32[stat], (m, stat, bf16[stat], fp32[stat])
+            assert fp32[stat] < 1e-5 and kept[stat] < 1e-5, (m, stat, fp32[stat], kept[stat])
+        assert bf16["mean_moved_pct_2nd_half"] < 30 and fp32["mean_moved_pct_2nd_half"] == 100, (bf16, fp32)
+        assert bf16["mean_still_from_step"] is not None and fp32["mean_still_from_step"] is None
+        assert bf16["update_rule"].startswith("in the held dtype") and bf16["update_rule_pct"] == 100, bf16
+        assert rows["bfloat16, EMA rounded once", m]["gap_over_dead_zone_median"] <= 1
+        assert bf16["declared_flags"] and rows["float16", m]["declared_flags"] and not fp32["declared_flags"]
+    fixed = {(r["momentum"], r["input"]): r for r in data["fixed_points"]}
+    assert fixed[0.01, 10.0]["bfloat16_layer"] < 8 and fixed[0.01, 10.0]["bfloat16_rounded_once"] < 10
+    tok = {(r["what"], r["momentum"]): r for r in data["tokenizer"] if "out_max_abs" in r}
+    for m in (0.1, 0.01):
+        bf16 = tok["statistics trained in bfloat16, run in float64", m]
+        fp32 = tok["statistics trained in float32, run in float64", m]
+        assert bf16["out_max_abs"] > 1000 * fp32["out_max_abs"] and fp32["out_max_rel"] < 1e-4, (bf16, fp32)
+        assert bf16["codes_differ_pct"] > 5 and fp32["codes_differ_pct"] < 1, (bf16, fp32)
+    assert "quick mode" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "bn_precision.png").read_bytes()[:4] == b"\x89PNG"
