@@ -94,5 +94,6 @@ def cast_back(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | Inexact:
     if not bool(same.all()):
         i = int((~same).nonzero()[0])
         value = flat[i].item()
-        return Inexact(i, value, f"{dtype_name(dtype)} cannot hold it exactly (it would become {out.reshape(-1)[i].item()!r})")
+        became = out.reshape(-1)[i].item()
+        return Inexact(i, value, f"{dtype_name(dtype)} cannot hold it exactly (it would become {became!r})")
     return out

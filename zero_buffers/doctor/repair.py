@@ -45,8 +45,21 @@ import torch
 from .._core import compare as _compare
 from ..errors import CheckpointError, InvalidArgumentError
 from . import _atomic as _atomic_dir, _copy as _ckpt_copy, _dtypes, _files as _ckpt_files, _words
-from .report import (_STATS, _bar, _bn_layers, _common_names, _describe, _names, _opened, _path_arg, _PathLike,
-                     _Source, _sources, _trust, unreadable)
+from .report import (
+    _STATS,
+    _bar,
+    _bn_layers,
+    _common_names,
+    _describe,
+    _names,
+    _opened,
+    _path_arg,
+    _PathLike,
+    _Source,
+    _sources,
+    _trust,
+    unreadable,
+)
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ class CheckpointReport:
     def dtype_warnings(self) -> tuple[str, ...]:
         """The dtype findings in words: changes between the copies, integer buffers held as floats, buffers held in
         16 bits that must be float32 (by name)."""
-        out = []
+        out: list[str] = []
         if self.dtype_changes:
             out.append(_words.dtype_changes([_words.dtype_change(c.name, c.dtypes, self._who)
                                              for c in self.dtype_changes],
@@ -539,7 +539,8 @@ def _beside(lay: _ckpt_files.Layout, held: dict[str, str], trust_pickle: bool
         for name, dtype in held.items():
             want = theirs.get(name)
             if want is not None and _is_float(dtype) and not (want.is_floating_point or want.is_complex):
-                out.append(FloatCounter(name, dtype, _dtypes.dtype_name(want), (0,), f"{root} ({found.files[0].label})"))
+                out.append(FloatCounter(name, dtype, _dtypes.dtype_name(want), (0,),
+                                        f"{root} ({found.files[0].label})"))
         return tuple(out), ()
     return (), ()
 
