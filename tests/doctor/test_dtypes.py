@@ -226,14 +226,14 @@ def test_a_training_checkpoint_of_another_shape_or_with_ranks_disagreeing_on_a_d
     sd = torch.load(split / "rank1.pt", weights_only=True)
     sd["bn.num_batches_tracked"] = sd["bn.num_batches_tracked"].int()
     torch.save(sd, split / "rank1.pt")
-    with pytest.raises(zb.CheckpointError, match="its ranks disagree on the dtype of bn.num_batches_tracked"):
+    with pytest.raises(zb.CheckpointError, match=r"its ranks disagree on the dtype of bn\.num_batches_tracked"):
         zb.repair_checkpoint(export, tmp_path / "b.pt", dtypes_from=split)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export.pt", "other.pt", "split"]
 
 
-def test_repair_dtypes_from_in_place_survives_a_kill_at_every_rename(tmp_path):
-    """The one-file copy goes through the repair's staging and swap: SIGKILL before each rename leaves the old or
-    the new file whole, and the next repair recovers and finishes."""
+def test_repair_dtypes_from_in_place_killed_at_its_journal_rename_or_its_exchange_leaves_old_or_new(tmp_path):
+    """The one-file copy goes through the repair's staging and swap: SIGKILL before the journal's rename or before
+    the exchange leaves the old or the new file whole, and the next repair recovers and finishes."""
     import shutil
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed: crash injection needs strace -e inject=...:signal=KILL")
