@@ -487,7 +487,8 @@ def _doctor_parsers(sub: Any) -> None:
     df = sub.add_parser("diff", parents=[common, check], formatter_class=_Formatter,
                         help="per buffer, whether the ranks of a checkpoint (or several files) agree; exit 1 if not",
                         description="Compare every buffer across the ranks of one checkpoint, or across several "
-                        "files (each against the first). Exit 0 when all agree, 1 when something differs, 2 when a "
+                        "files (each against the first). A buffer whose dtype differs (int64 -> float32) differs, "
+                        "whatever its values. Exit 0 when all agree, 1 when something differs, 2 when a "
                         "checkpoint cannot be read or an --only pattern matches nothing.",
                         epilog=_examples("diff", more=(
                             ("zero-buffers diff train.pt export.safetensors", "a checkpoint against its export"),
@@ -503,13 +504,18 @@ def _doctor_parsers(sub: Any) -> None:
                         help="write a copy where every rank holds the same buffers",
                         description="Write a copy of a per-rank checkpoint (DeepSpeed ZeRO-3, per-rank files) in "
                         "which every rank holds the same buffers: BatchNorm statistics merged exactly, other "
-                        "buffers from one rank. The input is never written unless --in-place; a failed repair "
-                        "leaves nothing behind.",
+                        "buffers from one rank. With --dtypes-from, first cast every buffer back to the dtype a "
+                        "training checkpoint holds it in (an export's int64 counters stored as float32), exactly or "
+                        "not at all. The input is never written unless --in-place; a failed repair leaves nothing "
+                        "behind.",
                         epilog=_examples("repair", more=(
-                            ("zero-buffers repair demo --in-place", "replace the folder itself, atomically"),)))
+                            ("zero-buffers repair demo --in-place", "replace the folder itself, atomically"),
+                            ("zero-buffers repair export.bin --dtypes-from ckpt -o fixed.bin",
+                             "an export's dtypes, as the training checkpoint holds them"))))
     rp.add_argument("path", metavar="PATH", help="the per-rank checkpoint to repair (a DeepSpeed ZeRO-3 folder or "
-                    "a folder of per-rank files)")
-    rp.add_argument("-o", "--out", metavar="OUT", help="new folder for the repaired copy (must not exist)")
+                    "a folder of per-rank files); with --dtypes-from also an export (one file or its folder)")
+    rp.add_argument("-o", "--out", metavar="OUT", help="new folder (or, for one file, new file) for the repaired "
+                    "copy (must not exist)")
     rp.add_argument("--in-place", action="store_true",
                     help="replace the input folder (one atomic exchange; a crash leaves the old or the new one)")
     rp.add_argument("--recover", action="store_true",
@@ -518,6 +524,10 @@ def _doctor_parsers(sub: Any) -> None:
                     help="average: exact mixture of BatchNorm statistics, other buffers from --src (default); "
                          "broadcast: every buffer from --src")
     rp.add_argument("--src", type=int, default=0, help="rank whose buffers are taken (default 0)")
+    rp.add_argument("--dtypes-from", metavar="TRAINING_CKPT", default=None,
+                    help="cast every buffer whose dtype differs from this training checkpoint's back to its dtype, "
+                         "exactly or not at all (an int64 counter an export stored as float32 comes back bit for "
+                         "bit); PATH may then be one copy too: a zero_to_fp32 export file or folder, one state dict")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,7 +590,7 @@ def doctor(args: argparse.Namespace, argv: list[str]) -> int:
             if (args.out is None) == (not args.in_place):
                 return refuse("give exactly one of -o OUT (a new folder) and --in-place (or --recover)")
             result = repair_checkpoint(args.path, args.out, policy=args.policy, src=args.src,
-                                       in_place=args.in_place, **common)
+                                       in_place=args.in_place, dtypes_from=args.dtypes_from, **common)
             print(result.format())
             return 0
         if args.command == "inspect":
@@ -593,7 +603,7 @@ def doctor(args: argparse.Namespace, argv: list[str]) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     elif args.command == "inspect":
         text = report.format(full=args.all)
-        for w in report.warnings:
+        for w in (*report.warnings, *report.dtype_warnings()):
             text = text.replace(str(w), _words.for_cli(w))
         print(text)
     else:
@@ -605,7 +615,7 @@ def doctor(args: argparse.Namespace, argv: list[str]) -> int:
         else:
             print(f"{report.verdict()}; --all lists them")
             print("\n".join(f"  {n}" for n in report.notes))
-        for w in report.warnings:
+        for w in (*report.warnings, *report.dtype_warnings()):
             print(f"WARNING: {_words.for_cli(w)}")
     if args.command == "diff" and not report.compared:
         return 0

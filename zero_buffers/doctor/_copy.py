@@ -88,6 +88,22 @@ def write_copy(lay: _ckpt_files.Layout, views: Sequence[_ckpt_files.Tensors], va
     return rewritten, copied, notes
 
 
+def write_file(sf: _ckpt_files.StateFile, view: _ckpt_files.Tensors, values: Mapping[str, torch.Tensor],
+               dest: Path, trust_pickle: bool) -> tuple[list[str], int, list[str]]:
+    """A one-file checkpoint's copy at ``dest``: rewritten and verified when an entry changes, else its bytes (a link
+    is read through: the input was checked to be a regular file behind it). Returns what ``write_copy`` does."""
+    try:
+        if _rewrite_rank(sf.path, dest, sf, view, values, trust_pickle):
+            return [sf.path.name], 0, []
+        shutil.copy2(sf.path, dest)
+        fsync(dest)
+    except _ckpt_files.write_errors() as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise WriteFailed(dest, e) from e
+    return [], 1, []
+
+
 def _rewrite_rank(entry: Path, dest: Path, sf: _ckpt_files.StateFile, view: _ckpt_files.Tensors,
                   values: Mapping[str, torch.Tensor], trust_pickle: bool) -> bool:
     """Rewrite (and verify) one rank file if any of its buffers changes; False (nothing written) otherwise."""

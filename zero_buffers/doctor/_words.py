@@ -8,7 +8,7 @@ with its own flags (:func:`for_cli`). The structure travels with the message; th
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -80,6 +80,59 @@ def recover(path: object) -> Arg:
     """The call, or the command, that only recovers what an interrupted repair of ``path`` left."""
     return Arg(f"zero_buffers.recover_checkpoint({str(path)!r})", f"zero-buffers repair {shlex.quote(str(path))} "
                "--recover")
+
+
+def dtypes_from(path: object) -> Arg:
+    return Arg(f"dtypes_from={str(path)!r}", f"--dtypes-from {shlex.quote(str(path))}")
+
+
+# -- dtype findings, in words (the report holds them as data: doctor/report.py) -------------------------------------
+
+def dtype_change(name: str, dtypes: Sequence[str], who: Callable[[int], str]) -> str:
+    """"0.num_batches_tracked int64 -> float32 (source 1)": the reference's dtype, then each other one and where."""
+    others: dict[str, list[int]] = {}
+    for i, d in enumerate(dtypes[1:], 1):
+        if d != dtypes[0]:
+            others.setdefault(d, []).append(i)
+    return f"{name} " + "; ".join(f"{dtypes[0]} -> {d} ({', '.join(who(i) for i in at)})" for d, at in others.items())
+
+
+def dtype_cell(dtypes: Sequence[str], who: Callable[[int], str]) -> str:
+    """A table's dtype column for a buffer whose dtype differs: "int64 (source 1: float32)"."""
+    return dtypes[0] + " (" + ", ".join(f"{who(i)}: {d}" for i, d in enumerate(dtypes) if d != dtypes[0]) + ")"
+
+
+RESTORE = Arg("zero_buffers.repair_checkpoint(PATH, OUT, dtypes_from=TRAINING_CKPT)",
+              "zero-buffers repair PATH --dtypes-from TRAINING_CKPT -o OUT")
+
+
+def dtype_changes(lines: Sequence[str], integers: bool) -> Said:
+    head = f"{len(lines)} buffer(s) change dtype between the copies (a difference whatever their values): "
+    shown = "; ".join(lines[:6]) + (f" and {len(lines) - 6} more" if len(lines) > 6 else "")
+    if not integers:
+        return Said(head + shown)
+    return Said(head + shown, ". An integer buffer stored as a float is what an export that casts every buffer with "
+                ".float() writes (DeepSpeed 0.16's zero_to_fp32); `", RESTORE, "` casts it back, exactly or not at all")
+
+
+def float_counters(names: Sequence[str], held: str, expected: str, where: str, evidence: str) -> Said:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    if evidence == "name":
+        how = (f"they are integer counters wherever BatchNorm keeps them ({expected}); this was inferred from their "
+               "names alone")
+    else:
+        how = f"the training checkpoint beside it, {evidence}, holds them as {expected}"
+    return Said(f"{len(names)} integer buffer(s) held as {held} on {where}: {shown}; {how}. This is what an export "
+                "that casts every buffer with .float() writes (DeepSpeed 0.16's zero_to_fp32); `", RESTORE,
+                "` restores the dtype, exactly or not at all")
+
+
+def degraded(names: Sequence[str], held: str, declared: str, why: str, where: str) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"{len(names)} buffer(s) held in {held} on {where} that must stay {declared}: {shown} ({why}). An "
+            "update computed in 16 bits drops every increment below half a step of the value, so these stagnate; "
+            "offline there is no module, so this was inferred from the names. Keep them in "
+            f"{declared} while training: zero_buffers.keep_precision(model)")
 
 
 # -- why a reader stopped, in words ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ for the weights. The ``zero-buffers inspect | diff`` commands call :func:`checkp
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import os
@@ -23,10 +24,61 @@ import torch
 from .._core import compare as _compare, notice as _notice
 from ..errors import CheckpointError, InvalidArgumentError
 from ..report import BufferReport, BufferRow
-from . import _atomic as _atomic_dir, _files as _ckpt_files, _words
+from . import _atomic as _atomic_dir, _dtypes, _files as _ckpt_files, _words
 
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
 _PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class DtypeChange:
+    """A buffer whose dtype differs across the copies compared: ``dtypes`` holds its dtype on each source, in the
+    order of ``CheckpointReport.sources`` ("int64", "float32"); the first is the reference. Such a buffer's row is
+    out of sync whatever its values."""
+
+    name: str
+    dtypes: tuple[str, ...]
+
+    @property
+    def differing(self) -> tuple[int, ...]:
+        """The sources whose dtype is not the reference's."""
+        return tuple(i for i, d in enumerate(self.dtypes) if d != self.dtypes[0])
+
+    @property
+    def integer_to_floating(self) -> bool:
+        """Whether some source holds as a float what another holds as an integer or a flag (an export's cast)."""
+        kinds = {_is_float(d) for d in self.dtypes}
+        return kinds == {True, False}
+
+
+@dataclass(frozen=True)
+class Degraded:
+    """A buffer held in a 16-bit dtype on ``sources`` whose name says it must be ``declared`` (float32): ``why`` is
+    the rule, by name (``doctor/_dtypes.py`` mirrors the defaults of ``precision.declared``)."""
+
+    name: str
+    held: str
+    declared: str
+    why: str
+    sources: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FloatCounter:
+    """An integer buffer (by its name, or by a training checkpoint beside the file) held as a float on ``sources``:
+    the mark of an export that cast every buffer with ``.float()`` (DeepSpeed 0.16's ``zero_to_fp32``).
+    ``evidence``: "name", or the path of the training checkpoint whose copy is ``expected``."""
+
+    name: str
+    held: str
+    expected: str
+    sources: tuple[int, ...]
+    evidence: str
+
+
+def _is_float(dtype: str) -> bool:
+    found = _dtypes.dtype_of(dtype)
+    return found is not None and (found.is_floating_point or found.is_complex)
 
 
 @dataclass(frozen=True)
@@ -40,6 +92,12 @@ class CheckpointReport:
     entries only some sources hold. ``buffer_names``: every file records which of its entries are buffers
     (DeepSpeed's ``buffer_names``), so ``report`` compares buffers only and ``parameters`` counts the entries left
     out; otherwise it compares every tensor (a plain state dict does not say which are buffers).
+    Dtypes, as data (:meth:`dtype_warnings` says them in words): ``dtype_changes`` the buffers whose dtype differs
+    across the sources (out of sync whatever their values: ``diff`` exits 1); ``float_counters`` integer buffers held
+    as floats, known by name (``num_batches_tracked``) or, for one copy inside or beside a DeepSpeed checkpoint,
+    by that checkpoint's dtypes (an export that cast every buffer with ``.float()``); ``degraded`` buffers held in a
+    16-bit dtype that their names say must be float32 (the defaults of ``precision.declared``, by name: offline there
+    is no module).
     """
 
     kind: str
@@ -56,6 +114,9 @@ class CheckpointReport:
     not_compared: tuple[str, ...]
     buffer_names: bool = False
     parameters: int = 0
+    dtype_changes: tuple[DtypeChange, ...] = ()
+    degraded: tuple[Degraded, ...] = ()
+    float_counters: tuple[FloatCounter, ...] = ()
 
     @property
     def in_sync(self) -> bool:
@@ -96,8 +157,35 @@ class CheckpointReport:
 
     def table(self, full: bool = False) -> str:
         """The per-buffer table ``buffer_report`` prints: under 40 lines unless ``full`` (every row up to 30 buffers;
-        past that the differing rows, or the 20 worst and the rest by module: ``BufferReport.format``)."""
-        return self.report.format(head=self.verdict(), full=full)
+        past that the differing rows, or the 20 worst and the rest by module: ``BufferReport.format``). A buffer
+        whose dtype differs shows each source's: ``int64 (source 1: float32)``."""
+        report = self.report
+        if self.dtype_changes:
+            cells = {c.name: _words.dtype_cell(c.dtypes, self._who) for c in self.dtype_changes}
+            report = dataclasses.replace(report, rows=tuple(
+                dataclasses.replace(r, dtype=cells[r.name]) if r.name in cells else r for r in report.rows))
+        return report.format(head=self.verdict(), full=full)
+
+    def dtype_warnings(self) -> tuple[str, ...]:
+        """The dtype findings in words: changes between the copies, integer buffers held as floats, buffers held in
+        16 bits that must be float32 (by name)."""
+        out: list[str] = []
+        if self.dtype_changes:
+            out.append(_words.dtype_changes([_words.dtype_change(c.name, c.dtypes, self._who)
+                                             for c in self.dtype_changes],
+                                            any(c.integer_to_floating for c in self.dtype_changes)))
+        for group, items in _grouped(self.float_counters, lambda f: (f.held, f.expected, f.sources, f.evidence)):
+            held, expected, sources, evidence = group
+            out.append(_words.float_counters([f.name for f in items], held, expected, self._where(sources), evidence))
+        for group, items in _grouped(self.degraded, lambda d: (d.held, d.declared, d.why, d.sources)):
+            held, declared, why, sources = group
+            out.append(_words.degraded([d.name for d in items], held, declared, why, self._where(sources)))
+        return tuple(out)
+
+    def _where(self, sources: Sequence[int]) -> str:
+        if len(self.sources) == 1:
+            return str(self.paths[0])
+        return ", ".join(self._who(i) for i in sources)
 
     def format(self, full: bool = False) -> str:
         """What ``zero-buffers inspect`` prints."""
@@ -129,7 +217,7 @@ class CheckpointReport:
         if self.not_compared:
             lines.append(f"  {len(self.not_compared)} entries held by some sources only, not compared: "
                          + ", ".join(self.not_compared[:5]) + (" ..." if len(self.not_compared) > 5 else ""))
-        lines += [f"  WARNING: {w}" for w in self.warnings]
+        lines += [f"  WARNING: {w}" for w in (*self.warnings, *self.dtype_warnings())]
         if full:
             lines.append(self.table(full=True))
         return "\n".join(lines)
@@ -150,7 +238,20 @@ class CheckpointReport:
                 "counters": [list(c) if c else None for c in self.counters],
                 "untrained": {k: list(v) for k, v in self.untrained}, "notes": list(self.notes),
                 "warnings": list(self.warnings), "not_compared": list(self.not_compared),
-                "buffer_names": self.buffer_names, "parameters": self.parameters}
+                "buffer_names": self.buffer_names, "parameters": self.parameters,
+                "dtype_changes": [{"name": c.name, "dtypes": list(c.dtypes), "differing": list(c.differing)}
+                                  for c in self.dtype_changes],
+                "degraded": [{**asdict(d), "sources": list(d.sources)} for d in self.degraded],
+                "float_counters": [{**asdict(f), "sources": list(f.sources)} for f in self.float_counters],
+                "dtype_warnings": list(self.dtype_warnings())}
+
+
+def _grouped(items: Iterable[Any], key: Any) -> list[tuple[Any, list[Any]]]:
+    """``items`` grouped by ``key``, groups in order of first appearance."""
+    out: dict[Any, list[Any]] = {}
+    for item in items:
+        out.setdefault(key(item), []).append(item)
+    return list(out.items())
 
 
 # -- reading and comparing -------------------------------------------------------------------------------------------
@@ -215,7 +316,7 @@ def _common_names(sources: Sequence[_Source], views: Sequence[_ckpt_files.Tensor
                     f"({sources[0].file.path.name}): only on {s.label}: {extra[:5] or '-'}; missing on {s.label}: "
                     f"{lost[:5] or '-'}", str(s.file.path))
             for n in per[0]:
-                if v.meta[n] != views[0].meta[n]:
+                if v.meta[n][1] != views[0].meta[n][1]:  # a dtype that differs is a finding (DtypeChange)
                     raise CheckpointError(
                         f"{s.file.path}: {n} is {_describe(v.meta[n])} on {s.label} but "
                         f"{_describe(views[0].meta[n])} on {sources[0].label}", str(s.file.path))
@@ -240,7 +341,7 @@ def _compare_one(tensors: Sequence[torch.Tensor], atol: float) -> tuple[tuple[in
         if atol == 0 and x.dtype == ref.dtype and _compare.bitwise_equal(x, ref):
             continue
         d = _compare.max_abs_diff(x, ref)
-        if (atol == 0 and x.dtype == ref.dtype) or not d <= atol:
+        if x.dtype != ref.dtype or atol == 0 or not d <= atol:  # a dtype change differs whatever the values
             bad.append(i)
         worst = max(worst, d)
     scale = _compare.max_abs(ref) if worst else 0.0
@@ -249,10 +350,11 @@ def _compare_one(tensors: Sequence[torch.Tensor], atol: float) -> tuple[tuple[in
 
 
 def _bn_layers(names: Iterable[str], sources: Sequence[_Source] = (),
-               views: Sequence[_ckpt_files.Tensors] = ()) -> dict[str, bool]:
+               views: Sequence[_ckpt_files.Tensors] = (), float_counters: bool = False) -> dict[str, bool]:
     """BatchNorm layers among ``names`` (prefix with running_mean and running_var) -> whether they have a counter.
     With the ``views`` of the ``sources``, each layer is checked as a BatchNorm's statistics must be (mean and var of
-    one shape, a counter of one integer): CheckpointError naming the file and the entry for what is not."""
+    one shape, a counter of one integer, or with ``float_counters`` of one real number, as an export that cast it
+    writes): CheckpointError naming the file and the entry for what is not."""
     ordered = list(names)
     have = set(ordered)
     layers = {n.removesuffix("running_mean"): n.removesuffix("running_mean") + "num_batches_tracked" in have
@@ -265,11 +367,15 @@ def _bn_layers(names: Iterable[str], sources: Sequence[_Source] = (),
                 why = f"{prefix}running_mean is {_describe(mean)} but {prefix}running_var is {_describe(var)}"
             elif counted:
                 dtype, shape = view.meta[prefix + "num_batches_tracked"]
-                if math.prod(shape) != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+                if math.prod(shape) != 1 or dtype.is_complex or dtype == torch.bool or (
+                        dtype.is_floating_point and not float_counters):
                     why = f"{prefix}num_batches_tracked is {_describe((dtype, shape))}, not one integer counter"
+                    if dtype.is_floating_point and math.prod(shape) == 1:
+                        why = _words.Said(why, " (an export's cast? ", _words.Arg("dtypes_from=TRAINING_CKPT",
+                                          "--dtypes-from TRAINING_CKPT"), " restores it)")
             if why is not None:
-                raise CheckpointError(f"{source.file.path}: not a BatchNorm layer's statistics on {source.label}: "
-                                      f"{why}", str(source.file.path))
+                raise CheckpointError(_words.Said(f"{source.file.path}: not a BatchNorm layer's statistics on "
+                                                  f"{source.label}: ", why), str(source.file.path))
     return layers
 
 
@@ -292,7 +398,7 @@ def _untrained(view: _ckpt_files.Tensors, prefix: str, counted: bool) -> bool:
     counter = view.get(prefix + "num_batches_tracked") if counted else torch.zeros(())
     if counter.numel() != 1:
         return False  # not a counter: _bn_layers names it once every entry was read
-    return int(counter) == 0 and not bool(mean.any()) and bool((var == 1).all())
+    return float(counter) == 0 and not bool(mean.any()) and bool((var == 1).all())
 
 
 def _kind_of(name: str) -> str:
@@ -359,6 +465,9 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
                     f"{', '.join(map(str, (path, *more)))}" + (f" (they include {some})" if names else "")))
             names = kept
         layers = _bn_layers(names)
+        held = {n: tuple(_dtypes.dtype_name(v.meta[n][0]) for v in views) for n in names}
+        changes = tuple(DtypeChange(n, d) for n, d in held.items() if len(set(d)) > 1)
+        degraded, floats = _dtype_findings(held)
         fresh = {p: tuple(i for i, v in enumerate(views) if _untrained(v, p, c)) for p, c in layers.items()}
         rows = []
         for name in _bar(names, "comparing", progress is True and len(names) > 50, "buffer"):
@@ -368,7 +477,8 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
             rows.append(BufferRow(name, str(tensors[0].dtype).removeprefix("torch."), tuple(tensors[0].shape), True,
                                   not bad, worst, bad, rel, fresh.get(layer, ()) if layer is not None else ()))
             del tensors
-        _bn_layers(names, sources, views)  # after every entry was read: what cannot be read is named first
+        _bn_layers(names, sources, views, float_counters=True)  # after every entry was read: what cannot be read
+        # is named first
         counters = tuple(_counter_range(v, [p + "num_batches_tracked" for p, c in layers.items() if c])
                          for v in views)
         if any(lay.kind == "torch DCP" for lay in layouts):
@@ -380,10 +490,59 @@ def checkpoint_report(path: _PathLike, *more: _PathLike, atol: float = 0.0, only
     report = BufferReport(tuple(rows), tuple(range(len(sources))), 0, atol, checked=len(sources) > 1)
     parameters = len(views[0].meta) - len(_names(views[0])) if recorded else 0
     kind, tag = (layouts[0].kind, layouts[0].tag) if len(layouts) == 1 else ("files compared", None)
+    if len(layouts) == 1 and not layouts[0].per_rank:
+        found, note = _beside(layouts[0], {n: d[0] for n, d in held.items()}, trust_pickle)
+        floats = tuple(f for f in floats if f.name not in {b.name for b in found}) + found
+        notes += note
     return CheckpointReport(kind, tuple(str(lay.path) for lay in layouts), tag,
                             tuple(s.label for s in sources), same, report, tuple(sorted(kinds.items())), counters,
                             tuple((p, s) for p, s in fresh.items() if s), notes, tuple(warnings), tuple(partial),
-                            recorded, parameters)
+                            recorded, parameters, changes, degraded, floats)
+
+
+def _dtype_findings(held: dict[str, tuple[str, ...]]) -> tuple[tuple[Degraded, ...], tuple[FloatCounter, ...]]:
+    """By name (``doctor/_dtypes.py``): buffers held in 16 bits that must be float32, integer counters held as
+    floats; each with the sources where."""
+    degraded, floats = [], []
+    for name, dtypes in held.items():
+        rule = _dtypes.declared_by_name(name)
+        if rule is not None:
+            at = tuple(i for i, d in enumerate(dtypes) if (t := _dtypes.dtype_of(d)) is not None and rule.degraded(t))
+            if at:
+                degraded.append(Degraded(name, dtypes[at[0]], _dtypes.dtype_name(rule.dtype), rule.why, at))
+        if _dtypes.integer_by_name(name):
+            at = tuple(i for i, d in enumerate(dtypes) if _is_float(d))
+            if at:
+                floats.append(FloatCounter(name, dtypes[at[0]], "int64", at, "name"))
+    return tuple(degraded), tuple(floats)
+
+
+def _beside(lay: _ckpt_files.Layout, held: dict[str, str], trust_pickle: bool
+            ) -> tuple[tuple[FloatCounter, ...], tuple[str, ...]]:
+    """One copy (an export) inside or beside a DeepSpeed checkpoint (a ``latest`` file in its folder or the folder
+    above): the buffers it holds as floats that the checkpoint's rank 0 holds as integers or flags. Its dtypes are
+    read from metadata only; a checkpoint there that cannot be read is a note, never an error of this report."""
+    here = lay.path if lay.path.is_dir() else lay.path.parent
+    for root in (here, here.parent):
+        if root == lay.path or not os.path.lexists(root / "latest"):
+            continue
+        try:
+            found = _ckpt_files.locate(root, None, trust_pickle)
+            if not found.per_rank:
+                continue
+            with unreadable(root), _ckpt_files.open_tensors(found.files[0], trust_pickle) as view:
+                theirs = {n: view.meta[n][0] for n in _names(view)}
+        except CheckpointError as e:
+            return (), (f"a DeepSpeed checkpoint is beside it ({root}) but could not be read to compare dtypes: "
+                        f"{e.args[0] if e.args else e}",)
+        out = []
+        for name, dtype in held.items():
+            want = theirs.get(name)
+            if want is not None and _is_float(dtype) and not (want.is_floating_point or want.is_complex):
+                out.append(FloatCounter(name, dtype, _dtypes.dtype_name(want), (0,),
+                                        f"{root} ({found.files[0].label})"))
+        return tuple(out), ()
+    return (), ()
 
 
 def _counter_range(view: _ckpt_files.Tensors, names: Sequence[str]) -> tuple[int, int] | None:
