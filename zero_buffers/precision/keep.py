@@ -153,7 +153,7 @@ def _plan(root: nn.Module, globs: dict[str, torch.dtype], classes: dict[type, di
                 continue
             mod, local = owners[d.name]
             planned[d.name] = _Planned(d.name, mod, local, d.dtype, d.unsafe_in, d.why, False)
-    out = list(planned.values())
+    out = [planned[n] for n in owners if n in planned]  # module order
     for p in out:
         have = _KEPT.get(p.owner, {}).get(p.local)
         if have is not None and have.claims and have.dtype != p.dtype:
