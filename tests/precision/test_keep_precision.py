@@ -171,12 +171,11 @@ def test_a_deepseek_v3_router_bias_stays_fp32_through_bfloat16_and_the_moe_forwa
 class Combo(nn.Module):
     """A BatchNorm on the input (its statistics have a float64 reference) and a tiny DeepSeek-V3 MoE block."""
 
-    def __init__(self, config):
+    def __init__(self, config, moe_class):
         super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
         self.bn = nn.BatchNorm1d(4)
         self.up = nn.Linear(4, 32)
-        self.moe = DeepseekV3MoE(config)
+        self.moe = moe_class(config)
 
     def forward(self, x):
         out = self.moe(self.up(self.bn(x)).unsqueeze(0))
@@ -196,16 +195,20 @@ def _trained(model_or_engine, step, rank: int) -> dict:
     module = getattr(model_or_engine, "module", model_or_engine)
     after = {n: b.dtype for n, b in module.named_buffers() if n in WATCHED}
     batches = _batches(rank)
-    losses = [step(x) for x in batches]
+    try:
+        losses = [step(x) for x in batches]
+    except RuntimeError as e:  # 16-bit weights with fp32 statistics: CPU batch_norm refuses them
+        return {"after": after, "error": str(e)}
     mean, var = _bn_reference(batches)
-    return {"after": after, "losses": losses,
+    return {"after": after, "losses": losses, "error": None,
             "err": max((module.bn.running_mean.double() - mean).abs().max().item(),
                        (module.bn.running_var.double() - var).abs().max().item()),
             "trained": {n: b.dtype for n, b in module.named_buffers() if n in WATCHED}}
 
 
 def _deepspeed_cases(rank, world, buffer_dtype):
-    from transformers import DeepseekV3Config
+    from transformers import DeepseekV3Config  # imported before zero.Init: imports under it would be patched
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
     from tests.helpers import init_deepspeed
     deepspeed = init_deepspeed()
@@ -223,9 +226,15 @@ def _deepspeed_cases(rank, world, buffer_dtype):
                 torch.manual_seed(0)
                 if build == "zero_init":
                     with deepspeed.zero.Init(dtype=torch.bfloat16, config_dict_or_path=config):
-                        model = Combo(DeepseekV3Config(**MOE))
+                        model = Combo(DeepseekV3Config(**MOE), DeepseekV3MoE)
                 else:
-                    model = Combo(DeepseekV3Config(**MOE))
+                    model = Combo(DeepseekV3Config(**MOE), DeepseekV3MoE)
+                # transformers 5's experts are torch.empty until a PreTrainedModel initialises them: do it here
+                with deepspeed.zero.GatheredParameters(list(model.moe.parameters()), modifier_rank=0):
+                    g = torch.Generator().manual_seed(0)
+                    with torch.no_grad():
+                        for p in model.moe.parameters():
+                            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
                 handle = zb.keep_precision(model) if keep == "call" else None
                 engine, *_ = deepspeed.initialize(model=model, config=config,
                                                   optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
@@ -247,6 +256,10 @@ def _deepspeed_cases(rank, world, buffer_dtype):
 def _check_cases(out: dict) -> None:
     for case, o in out.items():
         kept = case[1] is not None
+        if not kept and o["error"] is not None:
+            assert "expected scalar type BFloat16 but found Float" in o["error"], (case, o)
+            continue
+        assert o["error"] is None, (case, o)
         want = torch.float32 if kept else torch.bfloat16
         for name in WATCHED:
             assert o["trained"][name] == (torch.float32 if kept else o["after"][name]), (case, name, o)
