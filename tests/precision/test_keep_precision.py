@@ -86,7 +86,7 @@ def test_bad_specs_raise_naming_the_buffer_and_leave_the_model_unchanged():
         assert words in str(e.value), (words, str(e.value))
         assert _dtypes(net) == before and _keep.handles_alive() == 0 and _declared.explicit(net[2]) == {}
     with zb.keep_precision(net, {"*.ema": torch.float32}):
-        with pytest.raises(zb.InvalidArgumentError, match="'2.ema' is kept in float32 already"):
+        with pytest.raises(zb.InvalidArgumentError, match=r"'2\.ema' is kept in float32 already"):
             zb.keep_precision(net, {"*.ema": torch.float64})
     assert _keep.handles_alive() == 0
 
@@ -272,8 +272,8 @@ def _check_cases(out: dict) -> None:
 
 @pytest.mark.stack
 def test_deepspeed_bf16_casts_the_statistics_and_router_bias_to_bf16_and_keep_precision_keeps_them_fp32(ranks2):
-    from packaging.version import Version
     import deepspeed
+    from packaging.version import Version
 
     per_rank = ranks2.run(_deepspeed_cases, False, timeout=600)
     old = Version(deepspeed.__version__) < Version("0.19.2")
@@ -282,4 +282,17 @@ def test_deepspeed_bf16_casts_the_statistics_and_router_bias_to_bf16_and_keep_pr
         for name in WATCHED:
             assert out["zero_init", None]["after"][name] == torch.bfloat16, (name, out["zero_init", None]["after"])
             assert out["plain", None]["after"][name] == (torch.bfloat16 if old else torch.float32), name
+        _check_cases(out)
+
+
+@pytest.mark.stack
+def test_deepspeed_buffer_dtype_bf16_casts_every_buffer_and_keep_precision_restores_the_fp32_values(ranks2):
+    import deepspeed
+    from packaging.version import Version
+
+    if Version(deepspeed.__version__) < Version("0.19.2"):
+        pytest.skip(f"data_types.buffer_dtype exists from DeepSpeed 0.19.2 on (this is {deepspeed.__version__})")
+    for out in ranks2.run(_deepspeed_cases, True, timeout=600):
+        for name in WATCHED:  # buffer_dtype casts by b.data = ..., outside nn.Module._apply
+            assert out["plain", None]["after"][name] == torch.bfloat16, name
         _check_cases(out)

@@ -297,6 +297,6 @@ def wrap_engine_model_cast(make: Callable[[Any], Any]) -> Callable[[], None]:
                                         version("deepspeed")) from e
     cls = getattr(engine, "DeepSpeedEngine", None)
     method = vars(cls).get("_configure_distributed_model") if isinstance(cls, type) else None
-    if method is None or list(inspect.signature(method).parameters) != ["self", "model"]:
+    if not isinstance(cls, type) or method is None or list(inspect.signature(method).parameters) != ["self", "model"]:
         raise missing("deepspeed", "DeepSpeedEngine._configure_distributed_model(self, model)")
     return replace(cls, "_configure_distributed_model", make)

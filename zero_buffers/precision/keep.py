@@ -141,7 +141,8 @@ def _plan(root: nn.Module, globs: dict[str, torch.dtype], classes: dict[type, di
             why = f"keep_precision: {label if label.startswith('class ') else 'pattern ' + repr(label)}"
             planned[name] = _Planned(name, mod, local, dtype, _declared.coarser_than(dtype), why, True)
     if required:
-        for key in [*globs, *((k, n) for k, names in classes.items() for n in names)]:
+        keys: list[Any] = [*globs, *((k, n) for k, names in classes.items() for n in names)]
+        for key in keys:
             if key not in used:
                 what = repr(key) if isinstance(key, str) else f"{key[0].__name__}: {{{key[1]!r}: ...}}"
                 raise InvalidArgumentError(f"{fn}(): {what} matches no buffer of the {type(root).__name__} (its "
@@ -222,10 +223,10 @@ def keep_precision(model: nn.Module, spec: Spec | None = None, *, defaults: bool
       any submodule, cast everything else and leave kept buffers in their dtype, moved to the new device, their
       values taken from before the cast (never a round trip through 16 bits);
     * ``deepspeed.initialize`` with ``"bf16"`` / ``"fp16"`` enabled (0.16's ``module.bfloat16()``; 0.19.2+'s
-      ``data_types.buffer_dtype``, undone when DeepSpeed was imported before this call) and ``accelerator.prepare``
-      with ``mixed_precision="bf16"`` leave them fp32; so do FSDP2's ``MixedPrecisionPolicy`` (which casts parameters
-      and inputs, never buffers). A model built under ``zero.Init(dtype=torch.bfloat16)`` has its buffers created in
-      bf16: call this after building it (zeros and ones come back exactly; a table computed in bf16 does not) or use
+      ``data_types.buffer_dtype``, undone when DeepSpeed was imported before this call) leaves them fp32 (and so
+      ``accelerator.prepare``, which builds that engine: not tested yet). A model built under
+      ``zero.Init(dtype=torch.bfloat16)`` has its buffers created in bf16: call this after building it (zeros
+      and ones come back exactly; a table computed in bf16 does not) or use
       ``zero_buffers.install(keep_precision=True)``, which keeps them as each module is built;
     * a kept BatchNorm whose input or weights are 16-bit normalises in fp32 and returns the input's dtype, its
       statistics updated in fp32. On CPU this is needed: ``batch_norm`` with bf16 weights and fp32 statistics
