@@ -47,6 +47,17 @@ def snapshot() -> dict[str, Any]:
     nz = sys.modules.get("zero_buffers.zero3.no_zero_init")
     if nz is not None:
         out["zero_buffers no_zero_init depth"] = nz._depth
+    from torch import nn
+    from torch.nn.modules import batchnorm
+    out["torch nn.Module._apply"] = vars(nn.Module)["_apply"]
+    out["torch _BatchNorm.forward"] = vars(batchnorm._BatchNorm)["forward"]
+    eng = sys.modules.get("deepspeed.runtime.engine")
+    if eng is not None:
+        out["deepspeed DeepSpeedEngine._configure_distributed_model"] = \
+            vars(eng.DeepSpeedEngine).get("_configure_distributed_model")
+    kp = sys.modules.get("zero_buffers.precision.keep")
+    if kp is not None:
+        out["zero_buffers keep_precision handles"] = kp.handles_alive()
     acc = sys.modules.get("accelerate.state")
     if acc is not None:
         out["accelerate AcceleratorState initialised"] = bool(acc.AcceleratorState._shared_state)

@@ -23,6 +23,7 @@ from .errors import (
     ZeroBuffersError,
     ZeroBuffersWarning,
 )
+from .precision.keep import Kept, keep_precision
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
 from .training.keep_in_sync import KeepInSync, keep_in_sync
 from .training.rules import register_rules
@@ -48,6 +49,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidSourceRankError",
     "KeepInSync",
+    "Kept",
     "RecomputeError",
     "RepairResult",
     "SaveHook",
@@ -66,6 +68,7 @@ __all__ = [
     "installed",
     "is_frozen_replica",
     "keep_in_sync",
+    "keep_precision",
     "no_zero_init",
     "recompute_bn_stats",
     "recover_checkpoint",

@@ -9,6 +9,7 @@ overlapping nested contexts) exist from 0.19.4 on.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -275,3 +276,27 @@ def engine_model_is(frame: Any, module: nn.Module) -> bool:
 
 ENGINE_STATE_DICT_METHODS = ("zero_gather_16bit_weights_on_model_save", "_zero3_consolidated_16bit_state_dict")
 """What Accelerate's ``get_state_dict`` calls on a model under ZeRO-3 (it assumes a DeepSpeed engine)."""
+
+
+def engine_loaded() -> bool:
+    """Whether ``deepspeed.runtime.engine`` was imported already (``import deepspeed`` imports it)."""
+    return "deepspeed.runtime.engine" in sys.modules
+
+
+def wrap_engine_model_cast(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``DeepSpeedEngine._configure_distributed_model(self, model)`` with ``make(original)``; returns the undo.
+
+    That method is where every version in range casts the model for fp16 / bf16: 0.16.0 to 0.19.1 run
+    ``module.half()`` / ``module.bfloat16()`` (through ``nn.Module._apply``); 0.19.2+ cast the parameters by
+    ``p.data = ...`` and, only with ``data_types.buffer_dtype`` set, every buffer by ``b.data = b.data.to(...)``
+    (not through ``_apply``), skipping those ``data_types.keep_in_fp32_modules`` names."""
+    try:
+        from deepspeed.runtime import engine
+    except ImportError as e:
+        raise DeepSpeedUnavailableError(f"zero_buffers' DeepSpeed engine support needs DeepSpeed: {e}", "deepspeed",
+                                        version("deepspeed")) from e
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    method = vars(cls).get("_configure_distributed_model") if isinstance(cls, type) else None
+    if not isinstance(cls, type) or method is None or list(inspect.signature(method).parameters) != ["self", "model"]:
+        raise missing("deepspeed", "DeepSpeedEngine._configure_distributed_model(self, model)")
+    return replace(cls, "_configure_distributed_model", make)

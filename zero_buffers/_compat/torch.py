@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import missing
+from . import missing, replace
 
 try:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -670,3 +670,26 @@ def parameters_generator(obj: Any) -> tuple[torch.nn.Module, bool] | None:
     if not isinstance(module, torch.nn.Module) or not isinstance(recurse, bool):
         return None
     return module, recurse
+
+
+def patch_module_apply(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``nn.Module._apply`` (what ``half()``, ``bfloat16()``, ``to()``, ``type()``, ``cuda()``, ``to_empty()``
+    run, on each module of the tree: a parent calls ``child._apply(fn)``) with ``make(original)``; returns the undo.
+    Relies on ``_apply(self, fn, recurse=True)`` writing each buffer as ``self._buffers[key] = fn(buf)``."""
+    from torch import nn
+
+    params = list(inspect.signature(vars(nn.Module).get("_apply", lambda: None)).parameters)
+    if params[:3] != ["self", "fn", "recurse"]:
+        raise missing("torch", "nn.Module._apply(self, fn, recurse=True)")
+    return replace(nn.Module, "_apply", make)
+
+
+def patch_batchnorm_forward(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``torch.nn.modules.batchnorm._BatchNorm.forward`` (the forward of BatchNorm1d/2d/3d and their lazy
+    forms) with ``make(original)``; returns the undo."""
+    from torch.nn.modules import batchnorm
+
+    base = getattr(batchnorm, "_BatchNorm", None)
+    if not isinstance(base, type):
+        raise missing("torch", "torch.nn.modules.batchnorm._BatchNorm")
+    return replace(base, "forward", make)

@@ -18,7 +18,8 @@ from .._core import (
     wire as _wire,
 )
 from ..broadcast import broadcast_buffers
-from ..errors import ZeroBuffersError
+from ..errors import InvalidArgumentError, ZeroBuffersError
+from ..precision import keep as _keep
 from . import _owners
 from .gathered import _Commit, resolve_group
 
@@ -162,6 +163,7 @@ class Init:
 _undo: list[Callable[[], None]] = []  # what install() changed, undone in reverse by uninstall()
 _warned: set[str] = set()
 _WHAT = "GatheredParameters (zero_buffers.install)"
+_kept_spec: list[Any] = []  # install()'s keep_precision, while installed with one
 _loading = [0]  # from_pretrained calls in progress (install() syncs their whole model afterwards)
 
 
@@ -179,7 +181,8 @@ class _Installed:
             uninstall()
 
 
-def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
+def install(*, src: int = 0, timeout: _args.Timeout = None,
+            keep_precision: bool | _keep.Spec = False) -> _Installed:
     """Make DeepSpeed (and transformers) keep buffers in sync wherever they build or load a ZeRO-3 model.
 
     Opt-in and process-wide. While installed, with ``src`` a rank within each data-parallel group:
@@ -199,7 +202,12 @@ def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
       :class:`GatheredParametersAndBuffers` (module, ...) or :func:`broadcast_buffers`;
     * ``PreTrainedModel.from_pretrained`` under ZeRO-3 broadcasts every buffer of the loaded model from
       ``src`` before returning (transformers 4.x loads checkpoint buffers on rank 0 only; 5.x misses
-      non-persistent ones and those computed at init).
+      non-persistent ones and those computed at init);
+    * with ``keep_precision=True`` (or a spec, as :func:`~zero_buffers.keep_precision` takes), every module
+      zero.Init converts has its declared buffers kept as soon as its own ``__init__`` ran (before a checkpoint is
+      loaded into them), and so has every model a DeepSpeed engine is built around, before the engine's fp16 / bf16
+      cast: BatchNorm statistics, transformers' fp32 lists and rotary tables stay fp32 (entries of the spec that
+      match nothing in a module are fine here). :func:`uninstall` stops keeping them.
 
     Idempotent (a second call changes nothing); :func:`uninstall` puts back DeepSpeed's and transformers'
     identical methods. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError` if DeepSpeed
@@ -213,10 +221,21 @@ def install(*, src: int = 0, timeout: _args.Timeout = None) -> _Installed:
     ds_compat.partition_parameters()
     src = _args.rank(src, "src", "install")
     seconds = _args.timeout(timeout, "install")
+    if not isinstance(keep_precision, bool):
+        _keep.parse(keep_precision, "install")  # checked before anything is installed
     if _undo:
+        if keep_precision is not False and _kept_spec != [keep_precision]:
+            raise InvalidArgumentError("install(): zero_buffers is installed already with keep_precision="
+                                       f"{_kept_spec[0] if _kept_spec else False!r}; call uninstall() first to "
+                                       "change it")
         return _Installed(owner=False)
     try:
         _undo.append(ds_compat.on_module_converted(_owners.remember))
+        if keep_precision is not False:
+            spec = None if keep_precision is True else keep_precision
+            _undo.append(_keep.keep_everywhere(spec, "install"))
+            _kept_spec.append(keep_precision)
+            _undo.append(_kept_spec.clear)
         _undo.append(_patch_init_context(src, seconds))
         _undo.append(_patch_gathered_parameters(seconds))
         undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
