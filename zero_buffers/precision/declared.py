@@ -12,7 +12,10 @@ A buffer is *declared* to need a dtype when one of these says so, the first that
    update in 16 bits drops every increment below half a step of the value, so the statistics stagnate);
 5. a rotary table (``inv_freq`` / ``original_inv_freq`` of a module whose class name ends in ``RotaryEmbedding``:
    fp32 under either 16-bit dtype; the positions times ``inv_freq`` lose whole radians in 16 bits, transformers
-   #28596).
+   #28596);
+6. an aux-loss-free MoE router bias (``e_score_correction_bias``, the buffer of 34 model families in transformers 5.24:
+   DeepSeek-V3, GLM-4 MoE, ...): fp32 under either 16-bit dtype, where the model's own lists do not say it (transformers
+   4.x's DeepSeek-V3 has no ``_keep_in_fp32_modules_strict``); its per-step updates are far below a 16-bit step.
 
 ``unsafe_in`` says which held dtypes break the need: a buffer declared fp32 held in one of them is *degraded*.
 Integer buffers (``num_batches_tracked``) are never declared: a cast of them is a dtype change the report and the
@@ -122,3 +125,5 @@ def declared(module: nn.Module) -> Iterator[Declared]:
             yield Declared(name, torch.float32, "BatchNorm statistics", HALF)
         elif type(owner).__name__.endswith("RotaryEmbedding") and local in ("inv_freq", "original_inv_freq"):
             yield Declared(name, torch.float32, "a rotary table", HALF)
+        elif local == "e_score_correction_bias":
+            yield Declared(name, torch.float32, "an aux-loss-free MoE router bias", HALF)
