@@ -279,8 +279,9 @@ def _render(report: BufferReport, pick: _Selection, head: str | None, precision:
     degraded = report.degraded if precision else []
     if degraded:
         default += f"; {len(degraded)} held below their declared dtype"
-    cells: list[tuple[str, ...]] = [(r.name, r.dtype_text, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
-              f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
+    cells: list[tuple[str, ...]] = [
+        (r.name, r.dtype_text, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
+         f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
     titles: tuple[str, ...] = ("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks")
     if any(r.degraded_ranks for r in pick.rows) and precision:
         titles += ("precision",)
