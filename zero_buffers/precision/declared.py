@@ -97,15 +97,28 @@ def _patterns(model: nn.Module, attr: str) -> list[tuple[re.Pattern[str], str]]:
     return out
 
 
+def _paths(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every (path, module) of ``root``'s tree, a module shared under several paths under each of them (as
+    ``named_modules(remove_duplicate=False)``), but never descending into a module already on the path: a tree in
+    which a module holds one of its ancestors ends instead of recursing forever."""
+    stack: list[tuple[str, nn.Module, frozenset[int]]] = [("", root, frozenset({id(root)}))]
+    while stack:
+        path, m, above = stack.pop()
+        yield path, m
+        children = [(f"{path}.{k}" if path else k, c) for k, c in m._modules.items() if c is not None]
+        stack.extend((p, c, above | {id(c)}) for p, c in reversed(children) if id(c) not in above)
+
+
 def declared(module: nn.Module) -> Iterator[Declared]:
     """The declared dtype of every floating buffer of ``module`` that has one ([Note: declared precision]), by
     qualified name as ``module.named_buffers()`` gives it (engines and wrappers unwrapped first)."""
     root = _modules.unwrap(module, "declared")
     strict = _patterns(root, "_keep_in_fp32_modules_strict")
     loose = _patterns(root, "_keep_in_fp32_modules")
-    owners = dict(root.named_modules(remove_duplicate=False))
-    for name, buf in root.named_buffers(remove_duplicate=False):
-        if not torch.is_floating_point(buf):
+    owners = dict(_paths(root))
+    named = ((f"{path}.{key}" if path else key, buf) for path, m in owners.items() for key, buf in m._buffers.items())
+    for name, buf in named:
+        if buf is None or not torch.is_floating_point(buf):
             continue
         owner_name, _, local = name.rpartition(".")
         owner = owners.get(owner_name)
