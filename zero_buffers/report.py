@@ -21,18 +21,27 @@ from ._core import (
     wire as _wire,
 )
 from .errors import BuffersOutOfSyncError, CollectiveError
+from .precision import declared as _declared
 
 SHORT_ROWS = 30  # a report of at most this many buffers (or differing buffers) lists them all, in model order
 WORST_ROWS = 20  # past that, a short report lists the worst this many differing buffers ...
 MODULE_LINES = 12  # ... and sums up the other differing ones by module in at most this many lines
 SLICE_BYTES = 4 * 2 ** 20  # a differing buffer's reference travels in slices of at most this many bytes
+PRECISION_LINES = 3  # the lines a report's text gives buffers held below their declared dtype, at most
+_WIDEST = 16  # bytes per element of the widest dtype (complex128): what a reference in another rank's dtype may take
 
 
 @dataclass(frozen=True)
 class BufferRow:
     """One buffer's cross-rank verdict. ``differing_ranks`` are global ranks whose value differs from the reference;
     ``max_rel_diff`` is ``max_abs_diff`` over the largest magnitude in the reference; ``untrained_ranks`` are
-    the ranks where this BatchNorm statistic is still at its initial value (mean 0, var 1, count 0)."""
+    the ranks where this BatchNorm statistic is still at its initial value (mean 0, var 1, count 0).
+
+    ``dtype`` is the reference rank's; ``rank_dtypes`` the ranks that hold the buffer in another dtype, with theirs
+    (``((1, "bfloat16"),)``): such a row is out of sync, those ranks are among ``differing_ranks``, and its values
+    were still compared (in float64). ``degraded_ranks``: the ranks holding it in a dtype its declaration says is
+    too coarse ([Note: declared precision]: BatchNorm statistics or transformers' fp32 buffers in 16 bits), with the
+    declared dtype (``declared``) and the declaration's reason (``why``); those are empty when no rank does."""
 
     name: str
     dtype: str
@@ -43,6 +52,25 @@ class BufferRow:
     differing_ranks: tuple[int, ...]
     max_rel_diff: float = 0.0
     untrained_ranks: tuple[int, ...] = ()
+    rank_dtypes: tuple[tuple[int, str], ...] = ()
+    degraded_ranks: tuple[int, ...] = ()
+    declared: str = ""
+    why: str = ""
+
+    @property
+    def dtype_text(self) -> str:
+        """``float32``; when ranks hold it in other dtypes, ``float32 (rank 1: bfloat16)``."""
+        if not self.rank_dtypes:
+            return self.dtype
+        groups: dict[str, list[int]] = {}
+        for r, d in self.rank_dtypes:
+            groups.setdefault(d, []).append(r)
+        inner = "; ".join(f"{'rank' if len(rs) == 1 else 'ranks'} {_ranks(rs)}: {d}" for d, rs in groups.items())
+        return f"{self.dtype} ({inner})"
+
+    def held_by(self, rank: int) -> str:
+        """The dtype ``rank`` holds this buffer in."""
+        return dict(self.rank_dtypes).get(rank, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,19 @@ class BufferReport:
     def out_of_sync(self) -> list[BufferRow]:
         return [r for r in self.rows if not r.in_sync]
 
+    @property
+    def degraded(self) -> list[BufferRow]:
+        """The rows some rank holds below their declared dtype."""
+        return [r for r in self.rows if r.degraded_ranks]
+
+    @property
+    def advice(self) -> str:
+        """What to do, in lines ("" when nothing): for buffers out of sync, what to call given what they look like;
+        for buffers held below their declared dtype, each kind named (buffer, held and declared dtype, reason) and
+        ``zb.keep_precision(model)``."""
+        lines = [_sync_advice(self)] if not self.in_sync else []
+        return "\n".join(lines + _precision_lines(self.degraded, self.ranks))
+
     def __str__(self) -> str:
         return self.format()
 
@@ -81,7 +122,9 @@ class BufferReport:
         - a last line counting what is not listed, and naming ``format(full=True)``, which lists every row.
 
         ``only_out_of_sync``: the differing rows only. ``limit``: at most that many rows, the worst ones, the rest
-        summed up by module."""
+        summed up by module. A buffer some rank holds in another dtype shows each rank's (``float32 (rank 1:
+        bfloat16)``); buffers held below their declared dtype get a ``precision`` column, a count in the head and at
+        most :data:`PRECISION_LINES` lines of advice at the end."""
         pick = _select(self, only_out_of_sync, limit, full)
         return _render(self, pick, head)
 
@@ -223,8 +266,8 @@ def _table(titles: Sequence[str], cells: Sequence[Sequence[str]], right: set[int
     return [line(titles), *(line(c) for c in cells)]
 
 
-def _render(report: BufferReport, pick: _Selection, head: str | None) -> str:
-    """The text of a selection."""
+def _render(report: BufferReport, pick: _Selection, head: str | None, precision: bool = True) -> str:
+    """The text of a selection (``precision=False``: without what concerns declared dtypes)."""
     bad = report.out_of_sync
     if not report.checked:
         default = f"{len(report.rows)} buffers, not compared: no process group with more than one rank"
@@ -233,10 +276,17 @@ def _render(report: BufferReport, pick: _Selection, head: str | None) -> str:
                    f"(reference rank {report.reference_rank}, atol={report.atol:g})")
         if bad:
             default += f"; differing ranks: {_ranks(sorted({k for r in bad for k in r.differing_ranks}))}"
-    cells = [(r.name, r.dtype, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
-              f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
-    lines = [default if head is None else head,
-             *_table(("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks"), cells, {4, 5})]
+    degraded = report.degraded if precision else []
+    if degraded:
+        default += f"; {len(degraded)} held below their declared dtype"
+    cells: list[tuple[str, ...]] = [
+        (r.name, r.dtype_text, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
+         f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
+    titles: tuple[str, ...] = ("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks")
+    if any(r.degraded_ranks for r in pick.rows) and precision:
+        titles += ("precision",)
+        cells = [(*c, _precision_cell(r, report.ranks)) for c, r in zip(cells, pick.rows)]
+    lines = [default if head is None else head, *_table(titles, cells, {4, 5})]
     if pick.modules:
         mods = [(m.path or "(top level)", f"{m.differing} of {m.buffers}", str(m.not_listed), f"{m.max_abs_diff:.4g}",
                  f"{m.max_rel_diff:.3g}", _ranks(m.ranks) or "-") for m in pick.modules]
@@ -250,7 +300,41 @@ def _render(report: BufferReport, pick: _Selection, head: str | None) -> str:
         lines.append(tail + "; format(full=True) shows every row)")
     elif pick.in_sync_hidden:
         lines.append(f"({pick.in_sync_hidden} buffers in sync not shown; format(full=True) shows every row)")
-    return "\n".join(lines)
+    return "\n".join(lines + _precision_lines(degraded, report.ranks))
+
+
+def _precision_cell(row: BufferRow, ranks: Sequence[int]) -> str:
+    """``below float32`` (on every rank), ``below float32 on 1`` (on some)."""
+    if not row.degraded_ranks:
+        return ""
+    where = "" if set(row.degraded_ranks) >= set(ranks) else f" on {_ranks(row.degraded_ranks)}"
+    return f"below {row.declared or 'declared'}{where}"
+
+
+def _precision_lines(rows: Sequence[BufferRow], ranks: Sequence[int]) -> list[str]:
+    """At most :data:`PRECISION_LINES` lines for the rows held below their declared dtype: the kinds (held dtype,
+    declared dtype, reason), the largest first, each naming its first buffer and how many more; then the fix."""
+    if not rows:
+        return []
+    kinds: dict[tuple[str, str, str], list[BufferRow]] = {}
+    for r in rows:
+        kinds.setdefault((r.held_by(r.degraded_ranks[0]), r.declared, r.why), []).append(r)
+    order = sorted(kinds.items(), key=lambda kv: -len(kv[1]))  # stable: ties in model order
+    shown = order if len(order) <= PRECISION_LINES else order[:PRECISION_LINES - 1]
+    lines = []
+    for (held, declared, why), group in shown:
+        first = group[0]
+        where = "" if set(first.degraded_ranks) >= set(ranks) else f" on rank(s) {_ranks(first.degraded_ranks)}"
+        more = f" (and {len(group) - 1} more like it)" if len(group) > 1 else ""
+        lines.append(f"Precision: '{first.name}'{more} is held in {held}{where} but declared "
+                     f"{declared or 'in a finer dtype'} ({why}).")
+    rest = order[len(shown):]
+    if rest:
+        lines.append(f"Precision: {sum(len(g) for _, g in rest)} more buffers of {len(rest)} other kinds are held "
+                     "below their declared dtype (format(full=True) lists them).")
+    lines[-1] += (" Keep declared dtypes with zb.keep_precision(model) (BatchNorm statistics, transformers' fp32 "
+                  "lists and rotary tables by default) before anything casts the model.")
+    return lines
 
 
 def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ignore: Iterable[str] = (),
@@ -276,12 +360,40 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
     return _report("buffer_report", module, group, atol, ignore, include_parameters, timeout)
 
 
-_IN_SYNC: dict[Any, BufferReport] = {}  # (structure, non-persistent names, ranks) -> the all-agree report (immutable)
+_IN_SYNC: dict[Any, BufferReport] = {}  # (structure, non-persistent names, ranks, ...) -> the all-agree report
+
+
+def _declarations(module: nn.Module, entries: Sequence[tuple[str, torch.Tensor]]) -> dict[int, _declared.Declared]:
+    """Entry index -> its declared dtype ([Note: declared precision]), matched by tensor (names in ``entries`` may
+    carry a wrapper's prefix)."""
+    root = _modules.unwrap(module, "buffer_report")
+    by_tensor: dict[int, _declared.Declared] = {}
+    for d in _declared.declared(module):
+        try:
+            by_tensor.setdefault(id(root.get_buffer(d.name)), d)
+        except AttributeError:
+            continue
+    return {i: by_tensor[id(t)] for i, (_, t) in enumerate(entries) if id(t) in by_tensor}
+
+
+def _precision_of(entries: Sequence[tuple[str, torch.Tensor]], decl: dict[int, _declared.Declared]
+                  ) -> tuple[list[int], int]:
+    """Per entry, its dtype code with bit 7 set where it is held degraded; and a digest of the declarations (which
+    the rows' ``declared`` / ``why`` come from)."""
+    codes = [_structure.dtype_code(t.dtype) | (0x80 if i in decl and decl[i].degraded(t.dtype) else 0)
+             for i, (_, t) in enumerate(entries)]
+    texts = sorted((i, str(d.dtype), d.why) for i, d in decl.items())
+    return codes, _structure.digest_bytes(repr(texts).encode())
 
 
 def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterable[str], include_parameters: bool,
             timeout: _args.Timeout) -> BufferReport:
-    """buffer_report's body; ``fn`` names the public function in errors."""
+    """buffer_report's body; ``fn`` names the public function in errors.
+
+    Dtypes are values here, not structure: ranks agree on a dtype-blind structure (names, shapes, devices, layouts),
+    each rank's dtypes (and its degraded-precision flags) ride along the content digest in the first collective
+    and, on the differing path, one byte per buffer in the per-buffer digests' all_gather; the reference rank's
+    copy of a buffer travels in its own dtype and every rank compares its copy with it in float64."""
     _args.module(module, fn)
     atol = _args.atol(atol, fn)
     skip = _args.ignore(ignore, fn)
@@ -289,56 +401,80 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     g = _group.resolve(group, fn)
     entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     transient = _modules.non_persistent_names(module)
+    decl: dict[int, _declared.Declared] = {}
 
-    def row(name: str, t: torch.Tensor, **verdict: Any) -> BufferRow:
-        return BufferRow(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), name not in transient,
-                         verdict.get("in_sync", True), verdict.get("diff", 0.0), verdict.get("ranks", ()),
-                         verdict.get("rel", 0.0), verdict.get("untrained", ()))
+    def row(i: int, degraded: Sequence[int] = (), same_declarations: bool = True, **verdict: Any) -> BufferRow:
+        name, t = entries[i]
+        d = decl.get(i) if degraded else None
+        declared = (str(d.dtype).removeprefix("torch.") if d is not None else "") if same_declarations else ""
+        why = (d.why if d is not None else "") if same_declarations else "declared differently across ranks"
+        return BufferRow(name, str(t.dtype).removeprefix("torch.") if "dtype" not in verdict else verdict["dtype"],
+                         tuple(t.shape), name not in transient, verdict.get("in_sync", True), verdict.get("diff", 0.0),
+                         verdict.get("ranks", ()), verdict.get("rel", 0.0), verdict.get("untrained", ()),
+                         verdict.get("rank_dtypes", ()), tuple(degraded), declared if degraded else "",
+                         why if degraded else "")
 
     if g is None:
         me = _group.global_rank()
-        return BufferReport(tuple(row(n, t) for n, t in entries), (me,), me, atol, checked=False,
-                            training=module.training)
+        decl = _declarations(module, entries)
+        codes, _ = _precision_of(entries, decl)
+        return BufferReport(tuple(row(i, (me,) if codes[i] & 0x80 else ()) for i in range(len(entries))), (me,), me,
+                            atol, checked=False, training=module.training)
     tensors = [t for _, t in entries]
     call = (fn, atol, include_parameters)
     problem = _transaction.unsendable(g, entries, fn)  # such tensors cannot be hashed either
     known: dict[int, int] = {}  # digests of the large buffers, hashed once for both uses
     failure: BaseException | None = None  # this rank's, voted on: every rank raises the same SyncAbortedError
     extra = 0
+    codes, declarations = [0] * len(entries), 0
     if problem is None:
         try:
             _transaction.reached(_transaction.Phase.PREPARE, fn)
-            extra = _digest.combined(tensors, known)
+            decl = _declarations(module, entries)
+            codes, declarations = _precision_of(entries, decl)
+            extra = _structure.digest_bytes(repr((_digest.combined(tensors, known), codes, declarations)).encode())
         except BaseException as e:  # noqa: BLE001 - a vote in the first collective
             failure = e
-    votes = _structure.agree(g, call, entries, deadline, fn, status=int(failure is not None), extra=extra)
+    # dtype-blind: a buffer held in other dtypes on some ranks is a row of the report, not a structure error
+    votes = _structure.agree(g, call, entries, deadline, fn, status=int(failure is not None), extra=extra,
+                             dtypes=False)
     if problem is not None:
-        raise problem  # structure agreed (it includes device, layout, dtype): every rank raises this
+        raise problem  # structure agreed (device, layout, quantized or not): every rank raises this
     _transaction.abort_if_any(g, [s for s, _ in votes], failure, deadline, fn, "hashing the buffers failed",
                               "nothing was changed")
-    if all(v[1] == votes[0][1] for v in votes):  # all agree: the rows depend on the structure alone
-        key = (call, _structure.digest(call, entries), frozenset(transient), g.ranks, module.training)
+    if all(v[1] == votes[0][1] for v in votes):  # all agree (dtypes and declarations too): the rows need no more
+        key = (call, _structure.digest(call, entries), frozenset(transient), g.ranks, module.training, tuple(codes),
+               declarations)
         report = _IN_SYNC.get(key)
         if report is None:
             if len(_IN_SYNC) > 64:
                 _IN_SYNC.clear()
-            report = _IN_SYNC[key] = BufferReport(tuple(row(n, t) for n, t in entries), g.ranks, g.ranks[0], atol,
-                                                  training=module.training)
+            report = _IN_SYNC[key] = BufferReport(
+                tuple(row(i, g.ranks if codes[i] & 0x80 else ()) for i in range(len(entries))), g.ranks, g.ranks[0],
+                atol, training=module.training)
         return report
     # The differing path: a rank that fails from here on still takes part in every collective (zeros where its
     # values would be) and says so in the last one, so every rank raises the same error instead of waiting for it.
-    mine_digests, slabs = [0] * len(tensors), {}
+    n = len(entries)
+    mine_digests, slabs = [0] * n, {}
     try:  # the digests, and every scratch the comparison needs (one slice per device), before the next collective
         _transaction.reached(_transaction.Phase.EXCHANGE, fn)
         mine_digests = _digest.per_tensor(tensors, known)
         slabs = _slabs(tensors)
     except BaseException as e:  # noqa: BLE001 - voted on in the digests' all_gather
         failure = e
-    digests = _wire.all_gather_values(g, [*mine_digests, int(failure is not None)], deadline, fn)
+    packed = _structure.pack_bytes(codes)
+    # per buffer a digest; then its dtype and degraded flag, a byte each; the declarations' digest; failed or not
+    digests = _wire.all_gather_values(g, [*mine_digests, *packed, declarations, int(failure is not None)], deadline, fn)
     _transaction.abort_if_any(g, [d[-1] for d in digests], failure, deadline, fn, "hashing the buffers failed",
                               "nothing was changed")
-    differ = [i for i in range(len(entries)) if any(d[i] != digests[0][i] for d in digests)]
-    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], deadline, fn, slabs)
+    held = [_structure.unpack_bytes(d[n:n + len(packed)], n) for d in digests]  # per member, per buffer
+    kinds = [[c & 0x7F for c in h] for h in held]
+    same_declarations = all(d[-2] == digests[0][-2] for d in digests)
+    differ = [i for i in range(n) if any(d[i] != digests[0][i] or k[i] != kinds[0][i] for d, k in zip(digests, kinds))]
+    reference = [_structure.dtype_of(kinds[0][i]) or tensors[i].dtype for i in differ]  # group rank 0's dtypes
+    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], reference, deadline, fn,
+                                                        slabs)
     failure = failure or compare_failure
     untrained = [False] * len(differ)
     try:
@@ -352,33 +488,44 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)  # type: ignore[arg-type]
     _transaction.abort_if_any(g, [int(t[-1]) for t in table], failure, deadline, fn, "comparing the buffers failed",
                               "nothing was changed")
-    rows = {i: row(n, t) for i, (n, t) in enumerate(entries)}
+
+    def name_of(code: int) -> str:
+        dtype = _structure.dtype_of(code)
+        return str(dtype).removeprefix("torch.") if dtype is not None else "another dtype"
+
+    def common(i: int) -> dict[str, Any]:
+        """What a row says of dtypes and precision, from every member's bytes."""
+        others = tuple((r, name_of(kinds[j][i])) for j, r in enumerate(g.ranks) if kinds[j][i] != kinds[0][i])
+        degraded = tuple(r for j, r in enumerate(g.ranks) if held[j][i] & 0x80)
+        return {"dtype": name_of(kinds[0][i]), "rank_dtypes": others, "degraded": degraded,
+                "same_declarations": same_declarations}
+
+    rows = {i: row(i, **common(i)) for i in range(n)}
     for k, i in enumerate(differ):
         diffs = [table[j][3 * k] for j in range(g.size)]
+        retyped = {j for j in range(g.size) if kinds[j][i] != kinds[0][i]}  # another dtype: out of sync, whatever atol
         if atol == 0:
-            bad = tuple(r for j, r in enumerate(g.ranks) if digests[j][i] != digests[0][i])
+            bad = tuple(r for j, r in enumerate(g.ranks) if digests[j][i] != digests[0][i] or j in retyped)
         else:
-            bad = tuple(r for r, d in zip(g.ranks, diffs) if not d <= atol)
+            bad = tuple(r for j, (r, d) in enumerate(zip(g.ranks, diffs)) if not d <= atol or j in retyped)
         worst = max(diffs)
         scale = table[0][3 * k + 1]
         rel = 0.0 if worst == 0 else math.inf if scale == 0 else worst / scale
         fresh = tuple(r for j, r in enumerate(g.ranks) if table[j][3 * k + 2])
-        rows[i] = row(entries[i][0], entries[i][1], in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh)
-    return BufferReport(tuple(rows[i] for i in range(len(entries))), g.ranks, g.ranks[0], atol,
-                        training=bool(table[0][-2]))
+        rows[i] = row(i, in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh, **common(i))
+    return BufferReport(tuple(rows[i] for i in range(n)), g.ranks, g.ranks[0], atol, training=bool(table[0][-2]))
 
 
 def _slabs(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:
     """Per device, the bytes one slice of the comparison needs (at most :data:`SLICE_BYTES`, allocated once). Which
-    buffers differ is known only after this allocation has been voted on, and the slices of any subset pack up to
-    the whole of one (device, dtype): so the bound is that total, capped by the slice size."""
-    total: dict[tuple[torch.device, torch.dtype], int] = {}
-    for t in tensors:
-        total[t.device, t.dtype] = total.get((t.device, t.dtype), 0) + t.numel() * t.element_size()
+    buffers differ, and the reference rank's dtype of each, are known only after this allocation has been voted
+    on, and the slices of any subset pack up to the whole of one (device, dtype) in the reference's dtypes: so the
+    bound is every element of the device at the widest element size, capped by the slice size."""
     need: dict[torch.device, int] = {}
-    for (device, _), n in total.items():
-        need[device] = max(need.get(device, 0), min(n, SLICE_BYTES))
-    return {d: torch.empty(-(-n // 64) * 64 + 64, dtype=torch.uint8, device=d) for d, n in need.items() if n}
+    for t in tensors:
+        need[t.device] = need.get(t.device, 0) + t.numel() * _WIDEST
+    return {d: torch.empty(-(-min(n, SLICE_BYTES) // 64) * 64 + 64, dtype=torch.uint8, device=d)
+            for d, n in need.items() if n}
 
 
 def _in_slab(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -387,19 +534,27 @@ def _in_slab(slab: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> to
     return slab[:n].view(dtype).view(tuple(shape))
 
 
-def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], deadline: _wire.Deadline,
-                            what: str, slabs: dict[torch.device, torch.Tensor]
+def _as_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` itself when it has the reference's ``dtype``; else a tensor of its shape and device in that dtype that
+    takes no memory (an expanded scalar): what the bucket plan and the slices are cut by, the same on every rank."""
+    return t if t.dtype == dtype else torch.empty((), dtype=dtype, device=t.device).expand(t.shape)
+
+
+def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
+                            deadline: _wire.Deadline, what: str, slabs: dict[torch.device, torch.Tensor]
                             ) -> tuple[list[tuple[float, float]], BaseException | None]:
-    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in slices of
-    at most :data:`SLICE_BYTES`: small tensors packed together per (device, dtype), a larger one cut in logical
-    order (where it is cut depends on its shape alone, so every rank issues the same broadcasts whatever its
-    strides). Each slice is compared as it arrives, in ``slabs`` (allocated and voted on before the first
-    broadcast): the extra memory is one slice and the comparison's temporaries, whatever the buffer's size. The
-    reference rank compares nothing (its difference with itself is 0). A comparison that fails here is returned (the
-    first), after every broadcast was issued."""
+    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in its own
+    dtype (``dtypes``: rank 0's, known on every rank) in slices of at most :data:`SLICE_BYTES`: small tensors packed
+    together per (device, dtype), a larger one cut in logical order (where it is cut depends on its shape and the
+    reference's dtype alone, so every rank issues the same broadcasts whatever its strides or its own dtype). Each
+    slice is compared in float64 as it arrives, in ``slabs`` (allocated and voted on before the first broadcast):
+    the extra memory is one slice and the comparison's temporaries, whatever the buffer's size. The reference rank
+    compares nothing (its difference with itself is 0). A comparison that fails here is returned (the first), after
+    every broadcast was issued."""
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
     reference = g.me == 0
     failure: BaseException | None = None
+    shadows = [_as_reference(t, d) for t, d in zip(tensors, dtypes)]  # on the reference rank: the tensors
 
     def measure(fn: Any, *args: Any) -> float:
         nonlocal failure
@@ -411,13 +566,14 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
             failure = failure or e
             return 0.0
 
-    for bucket in _wire.plan(tensors, cap=SLICE_BYTES):
+    for bucket in _wire.plan(shadows, cap=SLICE_BYTES):
         first = tensors[bucket.indices[0]].detach()
+        size = shadows[bucket.indices[0]].element_size()
         slab = slabs[bucket.device]
-        if len(bucket.indices) == 1 and first.numel() * first.element_size() > SLICE_BYTES:
+        if len(bucket.indices) == 1 and first.numel() * size > SLICE_BYTES:
             worst = scale = 0.0
-            for block in _compare.blocks(first, max(1, SLICE_BYTES // first.element_size())):
-                ref = _in_slab(slab, block.dtype, block.shape)
+            for block in _compare.blocks(first, max(1, SLICE_BYTES // size)):
+                ref = _in_slab(slab, bucket.dtype, block.shape)
                 if reference:  # a copy of the block (conj/neg views resolved), sent from the slab
                     torch_compat.copy_all([ref], [block.resolve_conj().resolve_neg()])
                 _wire.broadcast_flat(g, ref, 0, deadline, what)
@@ -428,7 +584,7 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], de
             continue
         space: Any = {bucket.device: slab} if reference else [_in_slab(slab, bucket.dtype, (bucket.numel,))]
         try:
-            _wire.broadcast(g, tensors, [bucket], 0, space, deadline, what)
+            _wire.broadcast(g, shadows, [bucket], 0, space, deadline, what)
         except CollectiveError:
             raise
         except BaseException as e:  # noqa: BLE001 - the source could not pack: every collective was still issued
@@ -455,9 +611,34 @@ def _untrained_flags(module: nn.Module, names: Sequence[str]) -> list[bool]:
     return [n in fresh for n in names]
 
 
-def advice(report: BufferReport) -> str:
-    """What to call, given what the differing buffers look like."""
+def _sync_advice(report: BufferReport) -> str:
+    """What to call, given what the differing buffers look like (dtype drift first, then the values)."""
     bad = report.out_of_sync
+    retyped = [r for r in bad if r.rank_dtypes]
+    first = ""
+    if retyped:
+        more = f" (and {len(retyped) - 1} more buffers)" if len(retyped) > 1 else ""
+        first = (f"'{retyped[0].name}'{more} is held in different dtypes across ranks "
+                 f"({_by_dtype(retyped[0], report.ranks)}): a cast, an engine or a meta build in another dtype "
+                 "changed it on some ranks. Give it one dtype "
+                 "everywhere (module.to(dtype) on those ranks, or zb.keep_precision(model) before the engine casts), "
+                 "or take the source's with zero_buffers.broadcast_buffers(module, materialize=True, "
+                 "adopt_dtype=True). ")
+        if len(retyped) == len(bad):
+            return first.rstrip()
+    return first + _value_advice(report, [r for r in bad if not r.rank_dtypes])
+
+
+def _by_dtype(row: BufferRow, ranks: Sequence[int]) -> str:
+    """``float32 on ranks 0, 2; bfloat16 on rank 1``."""
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(row.held_by(r), []).append(r)
+    return "; ".join(f"{d} on {'rank' if len(rs) == 1 else 'ranks'} {_ranks(rs)}" for d, rs in groups.items())
+
+
+def _value_advice(report: BufferReport, bad: Sequence[BufferRow]) -> str:
+    """What to call, given what the buffers whose values differ look like."""
     stats = [r for r in bad if r.name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")]
     untrained = sorted({u for r in stats for u in r.untrained_ranks})
     if untrained:
@@ -496,5 +677,6 @@ def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float 
     if not report.in_sync:
         raise BuffersOutOfSyncError(
             f"{type(module).__name__}: buffers out of sync across ranks.\n"
-            f"{report.format(only_out_of_sync=True)}\nFix: {advice(report)}", report)
+            f"{_render(report, _select(report, True, None, False), None, precision=False)}\n"
+            f"Fix: {_sync_advice(report)}", report)
     return report

@@ -153,6 +153,9 @@ def test_a_deepseek_v3_router_bias_stays_fp32_through_bfloat16_and_the_moe_forwa
     plain, moe = DeepseekV3MoE(DeepseekV3Config(**MOE)), DeepseekV3MoE(DeepseekV3Config(**MOE))
     for m in (plain, moe):
         m.gate.e_score_correction_bias.copy_(bias)
+        with torch.no_grad():  # transformers 5.x leaves the experts torch.empty until a PreTrainedModel inits them
+            for p in m.parameters():
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     plain.bfloat16()
     assert plain.gate.e_score_correction_bias.dtype == torch.bfloat16
     assert len(set(plain.gate.e_score_correction_bias.tolist())) == 1

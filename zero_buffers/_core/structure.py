@@ -41,8 +41,13 @@ class Spec:
         return f"{self.dtype}{list(self.shape)} {self.device}{layout}"
 
 
-def specs(entries: Sequence[tuple[str, Any]]) -> list[Spec]:
-    """The :class:`Spec` of every entry; an entry may carry a ready-made Spec instead of a tensor."""
+ANY_DTYPE = "any"  # the dtype of a Spec in a dtype-blind structure (buffer_report compares dtypes as values)
+
+
+def specs(entries: Sequence[tuple[str, Any]], dtypes: bool = True) -> list[Spec]:
+    """The :class:`Spec` of every entry; an entry may carry a ready-made Spec instead of a tensor. ``dtypes=False``:
+    dtype-blind, every dtype reads :data:`ANY_DTYPE` but a quantized one (which no collective carries, so whether a
+    tensor is quantized stays part of what every rank must share)."""
     slots: dict[torch.device, str] = {}
     per_type: dict[str, int] = {}
     out = []
@@ -58,8 +63,45 @@ def specs(entries: Sequence[tuple[str, Any]]) -> list[Spec]:
         layout = "dtensor" if torch_compat.is_dtensor(t) else str(t.layout).removeprefix("torch.")
         if t.is_inference():  # no write can change it outside inference mode: part of what every rank must share
             layout = "inference" if layout == "strided" else f"{layout} inference"
-        out.append(Spec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), slot, layout))
+        dtype = str(t.dtype).removeprefix("torch.") if dtypes else "quantized" if t.is_quantized else ANY_DTYPE
+        out.append(Spec(name, dtype, tuple(t.shape), slot, layout))
     return out
+
+
+# dtype codes: one byte per tensor (7 bits of dtype, 1 bit of flag) where a call carries dtypes as values
+_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "complex64", "complex128", "complex32", "int64", "int32",
+                "int16", "int8", "uint8", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+                "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "qint8", "quint8",
+                "qint32", "quint4x2", "quint2x4")
+DTYPES: tuple[torch.dtype, ...] = tuple(
+    [getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)]
+    + sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+             - {getattr(torch, n, None) for n in _DTYPE_NAMES}, key=str))[:126]
+"""Every dtype torch has, the common ones first in a fixed order (code ``i + 1``); 127 stands for any other."""
+_CODES = {d: i + 1 for i, d in enumerate(DTYPES)}
+OTHER_DTYPE = 127
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as a small int (1..126, or :data:`OTHER_DTYPE`), the same on every rank running this torch."""
+    return _CODES.get(dtype, OTHER_DTYPE)
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype of a code from :func:`dtype_code` (its low 7 bits; None for :data:`OTHER_DTYPE`)."""
+    code &= 0x7F
+    return DTYPES[code - 1] if 0 < code <= len(DTYPES) else None
+
+
+def pack_bytes(values: Sequence[int]) -> list[int]:
+    """Bytes (0..255) eight to an int64, little-endian: how per-tensor codes ride along a collective of int64."""
+    data = bytes(values) + bytes(-len(values) % 8)
+    return [int.from_bytes(data[i:i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+
+
+def unpack_bytes(words: Sequence[int], n: int) -> list[int]:
+    """The first ``n`` bytes :func:`pack_bytes` packed into ``words``."""
+    return list(b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)[:n])
 
 
 def digest_bytes(data: bytes | memoryview) -> int:
@@ -70,22 +112,23 @@ def digest_bytes(data: bytes | memoryview) -> int:
 _CACHE: dict[tuple, list[Any]] = {}  # structure key -> [digest, bucket plan]; describing every tensor is the slow part
 
 
-def _known(call: tuple, entries: Sequence[tuple[str, Any]]) -> list[Any]:
-    key = (_wire.BUCKET_BYTES, call,
+def _known(call: tuple, entries: Sequence[tuple[str, Any]], dtypes: bool = True) -> list[Any]:
+    key = (_wire.BUCKET_BYTES, call, dtypes,
            tuple((n, t) if isinstance(t, Spec) else (n, t.dtype, t.shape, t.device, t.layout, type(t), t.is_inference())
                  for n, t in entries))
     found = _CACHE.get(key)
     if found is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        described = [(s.name, s.text()) for s in specs(entries)]
+        described = [(s.name, s.text()) for s in specs(entries, dtypes)]
         found = _CACHE[key] = [digest_bytes(repr((VERSION, _wire.BUCKET_BYTES, call, described)).encode()), None]
     return found
 
 
-def digest(call: tuple, entries: Sequence[tuple[str, Any]]) -> int:
-    """64-bit digest of ``call`` and the structure of ``entries`` (cached per structure)."""
-    return int(_known(call, entries)[0])
+def digest(call: tuple, entries: Sequence[tuple[str, Any]], dtypes: bool = True) -> int:
+    """64-bit digest of ``call`` and the structure of ``entries`` (cached per structure); ``dtypes=False``: of the
+    dtype-blind structure (:func:`specs`)."""
+    return int(_known(call, entries, dtypes)[0])
 
 
 def digest_and_plan(call: tuple, entries: Sequence[tuple[str, Any]]) -> tuple[int, list[_wire.Bucket]]:
@@ -97,20 +140,21 @@ def digest_and_plan(call: tuple, entries: Sequence[tuple[str, Any]]) -> tuple[in
 
 
 def agree(g: Group, call: tuple, entries: Sequence[tuple[str, Any]], deadline: _wire.Deadline, what: str, *,
-          status: int = 0, extra: int = 0, known: int | None = None) -> list[tuple[int, int]]:
+          status: int = 0, extra: int = 0, known: int | None = None, dtypes: bool = True) -> list[tuple[int, int]]:
     """Raise the same BufferStructureError on every rank unless every rank passes equal ``call`` and structure.
 
     One all_gather of [digest, ``status``, ``extra``]; returns each member's (status, extra) in group order
     (callers vote with ``status``; buffer_report sends its content digest as ``extra``). Every caller sends
     the same shape, so ranks that call different functions still meet here and get a clean error. ``known``: the
-    digest, when the caller has it already.
+    digest, when the caller has it already. ``dtypes=False``: ranks may hold a tensor in different dtypes (the
+    caller carries dtypes as values, as buffer_report does); the error still shows each rank's.
     """
-    mine = digest(call, entries) if known is None else known
+    mine = digest(call, entries, dtypes) if known is None else known
     votes = _wire.all_gather_values(g, [mine, status, extra], deadline, what)
     if all(v[0] == mine for v in votes):
         return [(v[1], v[2]) for v in votes]
     theirs = _wire.gather_objects(g, (call, specs(entries)), deadline, what)
-    raise mismatch_error(what, g.ranks, theirs)
+    raise mismatch_error(what, g.ranks, theirs, dtypes=dtypes)
 
 
 def refuse(g: Group, error: Exception, deadline: _wire.Deadline, what: str) -> None:
@@ -136,9 +180,18 @@ def by_value(ranks: Sequence[int], values: Sequence[str]) -> str:
     return "; ".join(f"{_ranks_text(rs)}: {v}" for v, rs in groups.items())
 
 
-def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[tuple, list[Spec]]]
-                   ) -> BufferStructureError:
-    """The deterministic, identical-on-every-rank error for differing structures (global ranks in the text)."""
+def _blind(spec: Spec | None) -> Spec | None:
+    """``spec`` as a dtype-blind structure compares it."""
+    if spec is None:
+        return None
+    return Spec(spec.name, "quantized" if spec.dtype.startswith("q") else ANY_DTYPE, spec.shape, spec.device,
+                spec.layout)
+
+
+def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[tuple, list[Spec]]],
+                   dtypes: bool = True) -> BufferStructureError:
+    """The deterministic, identical-on-every-rank error for differing structures (global ranks in the text).
+    ``dtypes=False``: a tensor differing in dtype alone does not count as differing (the texts keep every field)."""
     calls = [c for c, _ in structures]
     if any(c != calls[0] for c in calls):
         texts, blamed, others = _call_difference(calls)
@@ -150,7 +203,10 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
     order: list[str] = []
     for _, ss in structures:
         order += [s.name for s in ss if s.name not in order]
-    differing = [n for n in order if len({t.get(n) for t in tables}) > 1]
+    def seen(spec: Spec | None) -> Spec | None:
+        return spec if dtypes else _blind(spec)
+
+    differing = [n for n in order if len({seen(t.get(n)) for t in tables}) > 1]
     if differing:
         name = differing[0]
         cells = [t.get(name) for t in tables]
@@ -161,6 +217,12 @@ def mismatch_error(what: str, ranks: Sequence[int], structures: Sequence[tuple[t
             any(c is not None and c.device != "meta" for c in cells)
         hint = " Some ranks hold meta tensors (no data): broadcast_buffers(module, src, materialize=True) allocates " \
             "them like the source's." if meta else ""
+        if kind == "dtype differs":
+            hint += (" Ranks hold it in different dtypes (a cast, an engine or a meta build in another dtype changed "
+                     "it on some ranks): give it one dtype on every rank first (module.to(dtype) there, or "
+                     "zb.keep_precision(model) before the engine casts), or, for buffers, take the source's with "
+                     "broadcast_buffers(module, src, materialize=True, adopt_dtype=True); zb.buffer_report(module) "
+                     "lists every buffer whose dtype differs.")
         return BufferStructureError(
             f"{what}: buffer structure differs across ranks at '{name}' ({kind}): {by_value(ranks, texts)}{more}. "
             f"No buffer was modified.{hint}", name, dict(zip(ranks, texts)))

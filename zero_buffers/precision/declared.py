@@ -13,9 +13,9 @@ A buffer is *declared* to need a dtype when one of these says so, the first that
 5. a rotary table (``inv_freq`` / ``original_inv_freq`` of a module whose class name ends in ``RotaryEmbedding``:
    fp32 under either 16-bit dtype; the positions times ``inv_freq`` lose whole radians in 16 bits, transformers
    #28596);
-6. an aux-loss-free MoE router's bias (a buffer named ``e_score_correction_bias``, DeepSeek-V3 and the families
-   built on it: fp32 under either 16-bit dtype; transformers 4.x lists it in no fp32 list, and its update is a
-   small step added to a value that bf16 holds with 8 significant bits).
+6. an aux-loss-free MoE router bias (``e_score_correction_bias``, the buffer of 34 model families in transformers 5.24:
+   DeepSeek-V3, GLM-4 MoE, ...): fp32 under either 16-bit dtype, where the model's own lists do not say it (transformers
+   4.x's DeepSeek-V3 has no ``_keep_in_fp32_modules_strict``); its per-step updates are far below a 16-bit step.
 
 ``unsafe_in`` says which held dtypes break the need: a buffer declared fp32 held in one of them is *degraded*.
 Integer buffers (``num_batches_tracked``) are never declared: a cast of them is a dtype change the report and the
@@ -97,15 +97,28 @@ def _patterns(model: nn.Module, attr: str) -> list[tuple[re.Pattern[str], str]]:
     return out
 
 
+def _paths(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every (path, module) of ``root``'s tree, a module shared under several paths under each of them (as
+    ``named_modules(remove_duplicate=False)``), but never descending into a module already on the path: a tree in
+    which a module holds one of its ancestors ends instead of recursing forever."""
+    stack: list[tuple[str, nn.Module, frozenset[int]]] = [("", root, frozenset({id(root)}))]
+    while stack:
+        path, m, above = stack.pop()
+        yield path, m
+        children = [(f"{path}.{k}" if path else k, c) for k, c in m._modules.items() if c is not None]
+        stack.extend((p, c, above | {id(c)}) for p, c in reversed(children) if id(c) not in above)
+
+
 def declared(module: nn.Module) -> Iterator[Declared]:
     """The declared dtype of every floating buffer of ``module`` that has one ([Note: declared precision]), by
     qualified name as ``module.named_buffers()`` gives it (engines and wrappers unwrapped first)."""
     root = _modules.unwrap(module, "declared")
     strict = _patterns(root, "_keep_in_fp32_modules_strict")
     loose = _patterns(root, "_keep_in_fp32_modules")
-    owners = dict(root.named_modules(remove_duplicate=False))
-    for name, buf in root.named_buffers(remove_duplicate=False):
-        if not torch.is_floating_point(buf):
+    owners = dict(_paths(root))
+    named = ((f"{path}.{key}" if path else key, buf) for path, m in owners.items() for key, buf in m._buffers.items())
+    for name, buf in named:
+        if buf is None or not torch.is_floating_point(buf):
             continue
         owner_name, _, local = name.rpartition(".")
         owner = owners.get(owner_name)
