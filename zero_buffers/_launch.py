@@ -1,13 +1,13 @@
 """Private: start ``nproc`` local ranks of a script the way torchrun does for one node, without its agent.
 
-Run by path (``python .../zero_buffers/_launch.py NPROC SCRIPT [ARGS...]``), so that neither torch nor the package is
-imported here: torchrun's agent costs a torch import, a rendezvous and a wait at exit per run, which on a busy 2-core
-machine was most of a quick repro's time. Each rank gets the ``env://`` variables torchrun sets (``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and this
-process's stdout and stderr. As torchrun does, when one rank fails the others are stopped (SIGTERM, then SIGKILL
-after 5 s) and the exit status is the first failing rank's; SIGTERM or SIGINT here stops every rank first. The ranks
-stay in this process's group and inherit its environment, so ``_proc.kill_tree`` reaches them as it reaches
-torchrun's.
+Run by path (``python .../zero_buffers/_launch.py NPROC SCRIPT [ARGS...]``, or ``NPROC -m MODULE [ARGS...]``), so that
+neither torch nor the package is imported here: torchrun's agent costs a torch import, a rendezvous and a wait at exit
+per run, which on a busy 2-core machine was most of a quick repro's time. Each rank gets the ``env://`` variables
+torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) and this process's stdout and stderr. As torchrun does, when one rank fails the others are stopped
+(SIGTERM, then SIGKILL after 5 s) and the exit status is the first failing rank's; SIGTERM or SIGINT here stops every
+rank first. The ranks stay in this process's group and inherit its environment, so ``_proc.kill_tree`` reaches them as
+it reaches torchrun's.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 import zipfile
@@ -177,9 +178,21 @@ def test_example_checkpoint_refuses_a_folder_that_is_not_empty(tmp_path):
 BN_DIFFER = ("0.running_mean", "0.running_var", "2.running_mean", "2.running_var")
 
 
+def _in_process(capsys):
+    """The doctor's commands through ``cli.main`` in this process (the installed command and its exit statuses are
+    tested above; a subprocess per command cost a torch import each)."""
+    def run(*args: object) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = cli.main([str(a) for a in args])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+    return run
+
+
 @pytest.mark.parametrize("kind", [pytest.param("zero3", marks=pytest.mark.stack), "per-rank", "dcp"])
-def test_example_checkpoint_is_one_the_doctor_finds_diverged_and_repairs(tmp_path, kind):
+def test_example_checkpoint_is_one_the_doctor_finds_diverged_and_repairs(tmp_path, kind, capsys):
     demo, fixed = tmp_path / "demo", tmp_path / "fixed"
+    doctor = _in_process(capsys)
     started = time.monotonic()
     out = _cli("example-checkpoint", demo, "--kind", kind, timeout=300)
     seconds = time.monotonic() - started
@@ -187,13 +200,13 @@ def test_example_checkpoint_is_one_the_doctor_finds_diverged_and_repairs(tmp_pat
     print(f"example-checkpoint --kind {kind}: {seconds:.1f} s")
     assert out.stdout.startswith(f"wrote {demo}: ") and "try next:\n  # " in out.stdout
     assert f"zero-buffers inspect {demo}" in out.stdout and f"zero-buffers diff {demo}" in out.stdout
-    inspect = _cli("inspect", demo)
+    inspect = doctor("inspect", demo)
     assert inspect.returncode == 0, inspect.stderr
-    diff = _cli("diff", demo)
+    diff = doctor("diff", demo)
     if kind == "dcp":  # one copy of each entry: which rank wrote each statistic, nothing per rank to compare
         assert "written by" in inspect.stdout and "one copy each: nothing to compare" in diff.stdout
         assert diff.returncode == 0
-        repair = _cli("repair", demo, "-o", fixed)
+        repair = doctor("repair", demo, "-o", fixed)
         assert repair.returncode == 2 and "nothing to repair" in repair.stderr and not fixed.exists()
         return
     what = "buffers" if kind == "zero3" else "tensors"
@@ -201,9 +214,9 @@ def test_example_checkpoint_is_one_the_doctor_finds_diverged_and_repairs(tmp_pat
     assert diff.returncode == 1, diff.stdout + diff.stderr
     differing = {line.split()[0] for line in diff.stdout.splitlines() if re.search(r"\sNO\s", line)}
     assert differing == set(BN_DIFFER), diff.stdout
-    repair = _cli("repair", demo, "-o", fixed)
+    repair = doctor("repair", demo, "-o", fixed)
     assert repair.returncode == 0 and "2 BatchNorm layer(s) merged" in repair.stdout, repair.stdout + repair.stderr
-    again = _cli("diff", fixed)
+    again = doctor("diff", fixed)
     assert again.returncode == 0 and "0 of" in again.stdout, again.stdout + again.stderr
 
 

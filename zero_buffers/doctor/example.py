@@ -1,9 +1,9 @@
 """A small checkpoint whose ranks diverged, to try the doctor on: ``zero-buffers example-checkpoint DIR``.
 
-A tiny BatchNorm network (BatchNorm2d(3), Conv2d, BatchNorm2d(8), a linear head) is trained for a few steps on
-``nproc`` local gloo ranks, each rank on images shifted by its own per-channel offset (one "site" per rank), with the
-buffers never synced, exactly as DDP with ``broadcast_buffers=False`` or DeepSpeed ZeRO-3 leave them. Its weights
-agree across ranks; its BatchNorm running statistics do not. Then it is saved as one of three kinds:
+A tiny BatchNorm network (BatchNorm2d(3), Conv2d, BatchNorm2d(8), a linear head) is trained for a few steps on ``nproc``
+local gloo ranks, each rank on images shifted by its own per-channel offset (one "site" per rank), with the buffers
+never synced, exactly as DDP with ``broadcast_buffers=False`` or DeepSpeed ZeRO-3 leave them. Its weights agree across
+ranks; its BatchNorm running statistics do not. Then it is saved as one of three kinds:
 
 - ``zero3``: a real DeepSpeed ZeRO-3 checkpoint (``deepspeed.initialize`` and ``engine.save_checkpoint``, tag
   ``step4``): one model-states file per rank, each with that rank's buffers.
@@ -11,9 +11,10 @@ agree across ranks; its BatchNorm running statistics do not. Then it is saved as
 - ``dcp``: ``torch.distributed.checkpoint.save`` of the DDP model's state dict: one copy of each entry, written by
   whichever rank DCP's planner picks, so nothing per rank is left to compare or repair.
 
-:func:`write_example` launches the ranks (``python -m torch.distributed.run --standalone``, CPU, gloo,
-``OMP_NUM_THREADS=1``) with a deadline, and kills every rank when it passes; ``python -m zero_buffers.doctor.example``
-is the rank's program. Nothing here reads a checkpoint: the doctor's readers do not import it.
+:func:`write_example` launches the ranks (``zero_buffers/_launch.py``: torchrun's variables without its agent, CPU,
+gloo, ``OMP_NUM_THREADS=1``) with a deadline, and kills every rank when it passes; ``python -m
+zero_buffers.doctor.example`` is the rank's program. Nothing here reads a checkpoint: the doctor's readers do not import
+it.
 """
 from __future__ import annotations
 
@@ -106,8 +107,9 @@ def write_example(folder: str | os.PathLike, kind: str = "per-rank", nproc: int 
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo",
                PYTHONWARNINGS="ignore")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "zero_buffers.doctor.example", "--kind", kind, "--out", str(out.resolve())]
+    launch = Path(__file__).resolve().parent.parent / "_launch.py"  # the ranks started directly, as the repro CLI does
+    cmd = [sys.executable, str(launch), str(nproc), "-m", "zero_buffers.doctor.example", "--kind", kind, "--out",
+           str(out.resolve())]
     started = time.monotonic()
     try:
         done = _proc.run(cmd, timeout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -202,7 +204,7 @@ def _rank_main(kind: str, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank of the example's run (started by :func:`write_example` through torchrun)."""
+    """One rank of the example's run (started by :func:`write_example`)."""
     parser = argparse.ArgumentParser(prog="python -m zero_buffers.doctor.example",
                                      description="one rank of zero-buffers example-checkpoint")
     parser.add_argument("--kind", choices=KINDS, required=True, help="what to save")
