@@ -1,7 +1,7 @@
 """Module traversal: unwrap engines and wrappers, list buffers by qualified name, find tracking BatchNorms."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,23 +79,31 @@ def _ignored(name: str, skip: frozenset[str]) -> bool:
     return any(".".join(parts[:i]) in skip for i in range(1, len(parts)))
 
 
-def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
-                  fn: str = "zero_buffers") -> list[Entry]:
-    """Buffers (then plain parameters if asked: not ZeRO's, not FSDP's, no DTensor) by qualified name, FSDP1's
-    ``_fsdp_wrapped_module.`` left out of the names; None buffers and aliases skipped."""
-    skip = frozenset(ignore)
-    out: list[Entry] = []
+def owned_buffers(mods: Iterable[tuple[str, nn.Module]], skip: Callable[[str], bool] | None = None
+                  ) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """Every buffer of ``mods`` (a ``named_modules(remove_duplicate=True)`` walk) once, as (qualified name with
+    FSDP1's ``_fsdp_wrapped_module.`` left out, owning module, its key there, tensor): None buffers skipped, an alias
+    under the first name not ``skip``-ped."""
     seen: set[int] = set()
-    mods = list(module.named_modules(remove_duplicate=True))  # one walk of the tree for both passes
-    fsdp1, fsdp2 = _kinds(mods, fn)
     for mod_name, mod in mods:
         for key, buf in mod._buffers.items():
             if buf is None or id(buf) in seen:
                 continue
             name = (f"{mod_name}.{key}" if mod_name else key).replace(_FSDP1_PREFIX, "")
-            if not skip or not _ignored(name, skip):
+            if skip is None or not skip(name):
                 seen.add(id(buf))
-                out.append((name, buf))
+                yield name, mod, key, buf
+
+
+def named_buffers(module: nn.Module, *, ignore: Iterable[str] = (), include_parameters: bool = False,
+                  fn: str = "zero_buffers") -> list[Entry]:
+    """Buffers (then plain parameters if asked: not ZeRO's, not FSDP's, no DTensor) by qualified name, FSDP1's
+    ``_fsdp_wrapped_module.`` left out of the names; None buffers and aliases skipped."""
+    skip = frozenset(ignore)
+    mods = list(module.named_modules(remove_duplicate=True))  # one walk of the tree for both passes
+    fsdp1, fsdp2 = _kinds(mods, fn)
+    out: list[Entry] = [(name, buf) for name, _, _, buf in
+                        owned_buffers(mods, (lambda name: _ignored(name, skip)) if skip else None)]
     if include_parameters:
         if fsdp1:
             raise InvalidArgumentError(

@@ -106,40 +106,34 @@ def _plan(root: nn.Module, globs: dict[str, torch.dtype], classes: dict[type, di
     """What to keep, every check done before anything changes."""
     planned: dict[str, _Planned] = {}
     used: set[Any] = set()
-    seen: set[int] = set()
     owners: dict[str, tuple[nn.Module, str]] = {}
-    for mod_name, mod in root.named_modules(remove_duplicate=True):
-        for local, buf in mod._buffers.items():
-            if buf is None or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            name = (f"{mod_name}.{local}" if mod_name else local).replace(_modules._FSDP1_PREFIX, "")
-            owners[name] = (mod, local)
-            hits = {(g, d) for g, d in globs.items() if fnmatch.fnmatchcase(name, g)}
-            used.update(g for g, _ in hits)
-            source = None
-            for klass in type(mod).__mro__:
-                if klass in classes:
-                    if local in classes[klass]:
-                        hits.add((f"class {klass.__name__}", classes[klass][local]))
-                        used.add((klass, local))
-                        source = klass
-                    break
-            if not hits:
-                continue
-            if len({d for _, d in hits}) > 1:
-                (s1, d1), (s2, d2) = sorted(hits, key=str)[:2]
-                raise InvalidArgumentError(f"{fn}(): buffer '{name}' is given two dtypes: {s1!r} says "
-                                           f"{_dtype_name(d1)}, {s2!r} says {_dtype_name(d2)}. No buffer was modified")
-            (label, dtype), = sorted(hits, key=str)[:1]
-            if not buf.is_floating_point():
-                raise InvalidArgumentError(
-                    f"{fn}(): buffer '{name}' of {type(mod).__name__} is {_dtype_name(buf.dtype)}, not floating "
-                    f"point ({label if source is None else 'class ' + source.__name__} names it): keep_precision keeps "
-                    "floating buffers from 16-bit casts; integer and bool buffers are never cast by them. No buffer "
-                    "was modified")
-            why = f"keep_precision: {label if label.startswith('class ') else 'pattern ' + repr(label)}"
-            planned[name] = _Planned(name, mod, local, dtype, _declared.coarser_than(dtype), why, True)
+    for name, mod, local, buf in _modules.owned_buffers(root.named_modules(remove_duplicate=True)):
+        owners[name] = (mod, local)
+        hits = {(g, d) for g, d in globs.items() if fnmatch.fnmatchcase(name, g)}
+        used.update(g for g, _ in hits)
+        source = None
+        for klass in type(mod).__mro__:
+            if klass in classes:
+                if local in classes[klass]:
+                    hits.add((f"class {klass.__name__}", classes[klass][local]))
+                    used.add((klass, local))
+                    source = klass
+                break
+        if not hits:
+            continue
+        if len({d for _, d in hits}) > 1:
+            (s1, d1), (s2, d2) = sorted(hits, key=str)[:2]
+            raise InvalidArgumentError(f"{fn}(): buffer '{name}' is given two dtypes: {s1!r} says "
+                                       f"{_dtype_name(d1)}, {s2!r} says {_dtype_name(d2)}. No buffer was modified")
+        (label, dtype), = sorted(hits, key=str)[:1]
+        if not buf.is_floating_point():
+            raise InvalidArgumentError(
+                f"{fn}(): buffer '{name}' of {type(mod).__name__} is {_dtype_name(buf.dtype)}, not floating "
+                f"point ({label if source is None else 'class ' + source.__name__} names it): keep_precision keeps "
+                "floating buffers from 16-bit casts; integer and bool buffers are never cast by them. No buffer "
+                "was modified")
+        why = f"keep_precision: {label if label.startswith('class ') else 'pattern ' + repr(label)}"
+        planned[name] = _Planned(name, mod, local, dtype, _declared.coarser_than(dtype), why, True)
     if required:
         keys: list[Any] = [*globs, *((k, n) for k, names in classes.items() for n in names)]
         for key in keys:

@@ -198,40 +198,34 @@ def resolve(module: nn.Module, rules: Rules | None, fn: str, *, strict: bool = F
     patterns, classes = parse(rules, fn)
     used: set[Any] = set()
     assigned: list[Assigned] = []
-    seen: set[int] = set()
     layers = _modules.tracking_bn(module)
     stats = {id(t) for bn in layers for _, t in bn.entries()}
     after: dict[int, tuple[nn.Module, Callable[[nn.Module], Any]]] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=True):
-        for key, buf in mod._buffers.items():
-            if buf is None or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            name = (f"{mod_name}.{key}" if mod_name else key).replace(_modules._FSDP1_PREFIX, "")
-            hits = {(p, r) for p, r in patterns.items() if fnmatch.fnmatchcase(name, p)}
-            used.update(p for p, _ in hits)
-            if len({r for _, r in hits}) > 1:
-                (p1, r1), (p2, r2) = sorted(hits)[:2]
-                raise InvalidArgumentError(f"{fn}(): buffer '{name}' is claimed by two rules: pattern {p1!r} says "
-                                           f"{r1!r}, pattern {p2!r} says {r2!r}. No buffer was modified")
-            if hits:
-                (pattern, rule), = sorted(hits)[:1]
-                source = f"pattern {pattern!r}"
-            elif (found := _class_rule(mod, key, classes)) is not None:
-                rule, k = found
-                used.add(k)
-                used.add((k, key))
-                source = f"class {_label(k)}"
-            elif (found := _class_rule(mod, key, _REGISTRY)) is not None:
-                rule, k = found
-                source = f"registered {_label(k)}"
-                if _REGISTRY[k].after_sync is not None:
-                    after[id(mod)] = (mod, _REGISTRY[k].after_sync)  # type: ignore[assignment]
-            else:
-                rule = bn_default if id(buf) in stats else "broadcast"
-                source = "default"
-            _check_rule(name, buf, rule, id(buf) in stats, source, fn)
-            assigned.append(Assigned(name, buf, rule, source))
+    for name, mod, key, buf in _modules.owned_buffers(module.named_modules(remove_duplicate=True)):
+        hits = {(p, r) for p, r in patterns.items() if fnmatch.fnmatchcase(name, p)}
+        used.update(p for p, _ in hits)
+        if len({r for _, r in hits}) > 1:
+            (p1, r1), (p2, r2) = sorted(hits)[:2]
+            raise InvalidArgumentError(f"{fn}(): buffer '{name}' is claimed by two rules: pattern {p1!r} says "
+                                       f"{r1!r}, pattern {p2!r} says {r2!r}. No buffer was modified")
+        if hits:
+            (pattern, rule), = sorted(hits)[:1]
+            source = f"pattern {pattern!r}"
+        elif (found := _class_rule(mod, key, classes)) is not None:
+            rule, k = found
+            used.add(k)
+            used.add((k, key))
+            source = f"class {_label(k)}"
+        elif (found := _class_rule(mod, key, _REGISTRY)) is not None:
+            rule, k = found
+            source = f"registered {_label(k)}"
+            if _REGISTRY[k].after_sync is not None:
+                after[id(mod)] = (mod, _REGISTRY[k].after_sync)  # type: ignore[assignment]
+        else:
+            rule = bn_default if id(buf) in stats else "broadcast"
+            source = "default"
+        _check_rule(name, buf, rule, id(buf) in stats, source, fn)
+        assigned.append(Assigned(name, buf, rule, source))
     named = [(k, key) for k, v in classes.items() if isinstance(v, Mapping) for key in v]  # {class: {name: rule}}
     for k in [*patterns, *classes, *named]:
         if k in used:
