@@ -41,6 +41,15 @@ def _signal(fn, target: int) -> None:
         pass
 
 
+def local_launch(nproc: int, *program: str) -> list[str]:
+    """The command that starts ``nproc`` local ranks of ``program`` (a script path and its arguments, or ``-m
+    MODULE ...``) through ``_launch.py``, run by path: torchrun's variables, without its agent."""
+    import sys
+    from pathlib import Path
+
+    return [sys.executable, str(Path(__file__).resolve().with_name("_launch.py")), str(nproc), *program]
+
+
 def kill_tree(proc: subprocess.Popen, tag: str, wait: float = 10.0) -> None:
     """SIGKILL ``proc``'s process group, then every process tagged ``tag`` and the group of each."""
     mine = os.getpgrp()

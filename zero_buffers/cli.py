@@ -144,7 +144,7 @@ def launch_command(path: Path, nproc: int, launcher: str) -> list[str]:
     """The ranks started directly (``_launch.py``, run by path: no torch import, no agent), torchrun, or
     ``accelerate launch`` with DeepSpeed ZeRO-3 (the recipe that works on CPU)."""
     if launcher == "local":
-        return [sys.executable, str(Path(__file__).with_name("_launch.py")), str(nproc), str(path)]
+        return _proc.local_launch(nproc, str(path))
     if launcher == "accelerate":
         return [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={nproc}", "--num_machines=1",
                 "--mixed_precision=no", "--dynamo_backend=no", "--use_deepspeed", "--zero_stage=3",

@@ -107,9 +107,7 @@ def write_example(folder: str | os.PathLike, kind: str = "per-rank", nproc: int 
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo",
                PYTHONWARNINGS="ignore")
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    launch = Path(__file__).resolve().parent.parent / "_launch.py"  # the ranks started directly, as the repro CLI does
-    cmd = [sys.executable, str(launch), str(nproc), "-m", "zero_buffers.doctor.example", "--kind", kind, "--out",
-           str(out.resolve())]
+    cmd = _proc.local_launch(nproc, "-m", "zero_buffers.doctor.example", "--kind", kind, "--out", str(out.resolve()))
     started = time.monotonic()
     try:
         done = _proc.run(cmd, timeout, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
