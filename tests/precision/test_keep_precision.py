@@ -299,3 +299,120 @@ def test_deepspeed_buffer_dtype_bf16_casts_every_buffer_and_keep_precision_resto
         for name in WATCHED:  # buffer_dtype casts by b.data = ..., outside nn.Module._apply
             assert out["plain", None]["after"][name] == torch.bfloat16, name
         _check_cases(out)
+
+
+
+def _accelerate_cases(rank, world):
+    import os
+
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    from tests.helpers import init_deepspeed
+    init_deepspeed()
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import InitProcessGroupKwargs
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    env, out = dict(os.environ), {}
+    for keep in (None, "call"):
+        AcceleratorState._reset_state(True)
+        handle = None
+        try:
+            plugin = DeepSpeedPlugin(zero_stage=3, zero3_init_flag=False)
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 8
+            acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=plugin,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+            torch.manual_seed(0)
+            model = Combo(DeepseekV3Config(**MOE), DeepseekV3MoE)
+            with torch.no_grad():  # transformers 5's experts are torch.empty until a PreTrainedModel inits them
+                g = torch.Generator().manual_seed(0)
+                for p in model.moe.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            handle = zb.keep_precision(model) if keep else None
+            engine, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+
+            def step(x, engine=engine, opt=opt, acc=acc):
+                loss = engine(x)
+                acc.backward(loss)  # DeepSpeed: the engine's backward and step
+                opt.step()
+                opt.zero_grad()
+                return float(loss)
+            out["accelerate", keep] = _trained(engine, step, rank)
+        finally:
+            if handle is not None:
+                handle.remove()
+            AcceleratorState._reset_state(True)
+            unset_hf_deepspeed_config()
+            os.environ.clear()
+            os.environ.update(env)
+    return out
+
+
+@pytest.mark.stack
+def test_accelerate_bf16_zero3_prepare_casts_the_statistics_or_refuses_them_and_keep_precision_keeps_them_fp32(ranks2):
+    import deepspeed
+    from packaging.version import Version
+
+    old = Version(deepspeed.__version__) < Version("0.19.2")
+    for out in ranks2.run(_accelerate_cases, timeout=600):
+        plain = out["accelerate", None]
+        if old:  # DeepSpeed 0.16's engine calls module.bfloat16(): every floating buffer bf16
+            assert all(plain["after"][n] == torch.bfloat16 for n in WATCHED), plain["after"]
+        else:  # 0.19.8 casts parameters only: fp32 statistics beside bf16 weights, which CPU batch_norm refuses
+            assert plain["after"]["bn.running_mean"] == torch.float32, plain["after"]
+            assert plain["error"] is not None, plain
+        _check_cases(out)
+
+
+# -- FSDP2: fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16)) casts parameters, never buffers ----------
+def _fsdp2_mixed_precision(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for case in ("plain", "bfloat16", "kept"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 8))  # statistics of the inputs: a float64 reference
+        handle = zb.keep_precision(model) if case == "kept" else None
+        try:
+            if case == "bfloat16":  # what a user does when the BatchNorm refuses: the statistics become bf16
+                model.bfloat16()
+            fully_shard(model[0], mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            batches = _batches(rank)
+            try:
+                for x in batches:
+                    model(x).float().square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            except RuntimeError as e:
+                out[case] = {"error": str(e)}
+                continue
+            mean, _ = _bn_reference(batches)
+            report = zb.buffer_report(model)
+            out[case] = {"error": None, "dtype": model[0].running_mean.dtype,
+                         "err": (model[0].running_mean.double() - mean).abs().max().item(),
+                         "tracked": int(model[0].num_batches_tracked),
+                         "degraded": sorted(r.name for r in report.degraded)}
+        finally:
+            if handle is not None:
+                handle.remove()
+    return out
+
+
+def test_fsdp2_bf16_mixed_precision_refuses_a_batchnorm_on_cpu_and_keep_precision_runs_it_in_fp32(ranks2):
+    for rank, out in enumerate(ranks2.run(_fsdp2_mixed_precision, timeout=240)):
+        # the policy casts the unsharded parameters to bf16 and leaves the fp32 statistics: CPU batch_norm refuses
+        assert "expected scalar type BFloat16 but found Float" in (out["plain"]["error"] or ""), out["plain"]
+        cast = out["bfloat16"]  # runs with bf16 statistics, which buffer_report flags and which drift from float64
+        assert cast["error"] is None and cast["dtype"] == torch.bfloat16, cast
+        assert cast["degraded"] == ["0.running_mean", "0.running_var"], cast
+        kept = out["kept"]  # fp32 statistics that follow the float64 reference; nothing flagged
+        assert kept["error"] is None and kept["dtype"] == torch.float32 and kept["tracked"] == 2, (rank, kept)
+        assert kept["err"] < 1e-5 < cast["err"], (rank, kept["err"], cast["err"])
+        assert kept["degraded"] == [], kept
