@@ -197,19 +197,20 @@ def _trained(model_or_engine, step, rank: int) -> dict:
     """Two training steps on bf16 inputs; the watched buffers' dtypes and the statistics' error against float64."""
     module = getattr(model_or_engine, "module", model_or_engine)
     after = {n: b.dtype for n, b in module.named_buffers() if n in WATCHED}
+    flagged = sorted(r.name for r in zb.buffer_report(module).degraded)  # a collective: every rank reaches it
     batches = _batches(rank)
     try:
         losses = [step(x) for x in batches]
     except RuntimeError as e:  # 16-bit weights with fp32 statistics: CPU batch_norm refuses them
-        return {"after": after, "error": str(e)}
+        return {"after": after, "flagged": flagged, "error": str(e)}
     mean, var = _bn_reference(batches)
-    return {"after": after, "losses": losses, "error": None,
+    return {"after": after, "flagged": flagged, "losses": losses, "error": None,
             "err": max((module.bn.running_mean.double() - mean).abs().max().item(),
                        (module.bn.running_var.double() - var).abs().max().item()),
             "trained": {n: b.dtype for n, b in module.named_buffers() if n in WATCHED}}
 
 
-def _deepspeed_cases(rank, world, buffer_dtype):
+def _deepspeed_cases(rank, world, buffer_dtype, folder=None):
     from transformers import DeepseekV3Config  # imported before zero.Init: imports under it would be patched
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -248,6 +249,11 @@ def _deepspeed_cases(rank, world, buffer_dtype):
                     engine.step()
                     return float(loss)
                 out[build, keep] = _trained(engine, step, rank)
+                if folder is not None and build == "zero_init" and keep != "install":  # what the doctor reads
+                    engine.save_checkpoint(f"{folder}/{keep}", tag="t")
+                    torch.distributed.barrier()
+                    out[build, keep]["inspected"] = sorted(d.name for d in zb.checkpoint_report(f"{folder}/{keep}")
+                                                           .degraded)
             finally:
                 if handle is not None:
                     handle.remove()
@@ -259,6 +265,9 @@ def _deepspeed_cases(rank, world, buffer_dtype):
 def _check_cases(out: dict) -> None:
     for case, o in out.items():
         kept = case[1] is not None
+        # buffer_report flags exactly the watched buffers an engine left in 16 bits (none once kept)
+        assert o["flagged"] == sorted(n for n in WATCHED if o["after"][n] == torch.bfloat16), (case, o)
+        assert kept or case[0] != "zero_init" or o["flagged"], (case, o)  # unprotected zero.Init: flagged
         if not kept and o["error"] is not None:
             assert "expected scalar type BFloat16 but found Float" in o["error"], (case, o)
             continue
@@ -274,13 +283,17 @@ def _check_cases(out: dict) -> None:
 
 
 @pytest.mark.stack
-def test_deepspeed_bf16_casts_the_statistics_and_router_bias_to_bf16_and_keep_precision_keeps_them_fp32(ranks2):
+def test_deepspeed_bf16_casts_the_statistics_and_router_bias_to_bf16_and_keep_precision_keeps_them_fp32(ranks2,
+                                                                                                         tmp_path):
     import deepspeed
     from packaging.version import Version
 
-    per_rank = ranks2.run(_deepspeed_cases, False, timeout=600)
+    per_rank = ranks2.run(_deepspeed_cases, False, str(tmp_path), timeout=600)
     old = Version(deepspeed.__version__) < Version("0.19.2")
     for out in per_rank:
+        # zero-buffers inspect of the ZeRO-3 checkpoint: the bf16 statistics and router bias flagged, none once kept
+        assert out["zero_init", None]["inspected"] == sorted(WATCHED), out["zero_init", None]
+        assert out["zero_init", "call"]["inspected"] == [], out["zero_init", "call"]
         # without the tool: zero.Init builds them in bf16 on every version; 0.16's engine casts a plain model too
         for name in WATCHED:
             assert out["zero_init", None]["after"][name] == torch.bfloat16, (name, out["zero_init", None]["after"])
