@@ -11,6 +11,7 @@ from ._core import (
     args as _args,
     group as _group,
     modules as _modules,
+    placement as _placement,
     structure as _structure,
     transaction as _transaction,
     wire as _wire,
@@ -89,7 +90,9 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     if materialize:
         return _materialize(module, g, entries, src, include_parameters, adopt_dtype, deadline, fn)
-    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn)  # [Note: the transaction]
+    placed = _placement.placed(g, entries, deadline, fn)  # over a mesh: [Note: placements]
+    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn,  # [Note: the transaction]
+                                  placed=placed)
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "npu", "mps", "mtia")  # a device type as a small int, for the vote

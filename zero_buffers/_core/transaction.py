@@ -38,7 +38,7 @@ import torch
 
 from .._compat import torch as torch_compat
 from ..errors import CollectiveError, InvalidArgumentError, SyncAbortedError, UnsupportedDeviceError
-from . import structure as _structure, wire as _wire
+from . import placement as _placement, structure as _structure, wire as _wire
 from .group import Group
 from .modules import Entry
 
@@ -214,8 +214,12 @@ def run_after(g: Group, steps: Sequence[Callable[[], None]], deadline: _wire.Dea
 
 def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadline: _wire.Deadline, what: str, *,
               failure: Failure = None, unchanged: str = "nothing was changed",
-              step: str = "a rank could not take part") -> int:
-    """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many."""
+              step: str = "a rank could not take part", placed: _placement.Placed | None = None) -> int:
+    """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many. ``placed``: the
+    entries over a mesh ([Note: placements]): each replicated one from ``src``'s coordinate over the dimensions it is
+    replicated on, the Partial ones reduced first."""
+    if placed is not None:
+        return _placed_broadcast(placed, src, call, deadline, what, failure=failure, unchanged=unchanged, step=step)
     tensors = [t for _, t in entries]
     call = ("broadcast", src, *call)
     digest, buckets = _structure.digest_and_plan(call, entries)
@@ -233,4 +237,37 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
 
     commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
            unchanged=unchanged, step=step, digest=digest)
+    return len(entries)
+
+
+def _placed_broadcast(placed: _placement.Placed, src: int, call: tuple, deadline: _wire.Deadline, what: str, *,
+                      failure: Failure, unchanged: str, step: str) -> int:
+    """:func:`broadcast` over a mesh: one bucket plan per class of replicated dimensions, each broadcast in its own
+    group ([Note: placements]); Partial entries reduced, then broadcast; the votes over the whole group."""
+    g, entries = placed.g, placed.entries
+    call = ("broadcast", src, *call, "placements", placed.signature)
+    partials = _placement.Partials(placed, src)
+    done = set(partials.indices)
+    classes = [(sub, idx) for sub, idx in placed.classes([i for i in range(len(entries)) if i not in done])
+               if sub is not None]
+    plans = [(sub, [entries[i][1] for i in idx], _placement.source_in(g, sub, src)) for sub, idx in classes]
+    plans = [(sub, ts, s, _wire.plan(ts)) for sub, ts, s in plans]
+
+    def prepare() -> Any:
+        partials.prepare()
+        return [_wire.send_space(ts, bs) if sub.me == s else _wire.receive_space(bs) for sub, ts, s, bs in plans]
+
+    def exchange(spaces: Any) -> None:
+        partials.exchange(deadline, what)
+        for (sub, ts, s, bs), space in zip(plans, spaces):
+            _wire.broadcast(sub, ts, bs, s, space, deadline, what)
+
+    def apply(spaces: Any) -> None:
+        for (sub, ts, s, bs), space in zip(plans, spaces):
+            if sub.me != s:
+                _wire.write(ts, bs, space)
+        partials.apply()
+
+    commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
+           unchanged=unchanged, step=step)
     return len(entries)
