@@ -438,7 +438,12 @@ def mark_replicated(t: Any, dims: Sequence[int]) -> None:
     if spec is None or not dataclasses.is_dataclass(spec) or not hasattr(spec, "placements"):
         raise missing("torch", "DTensor._spec (a DTensorSpec dataclass with placements)")
     new = tuple(Replicate() if i in dims else p for i, p in enumerate(spec.placements))
-    t._spec = dataclasses.replace(spec, placements=new)
+    t._spec = dataclasses.replace(spec, placements=new)  # type: ignore[type-var]
+
+
+def device_mesh(t: Any) -> Any:
+    """A DTensor's DeviceMesh (public: ``DTensor.device_mesh``)."""
+    return t.device_mesh
 
 
 def mesh_layout(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:

@@ -116,12 +116,12 @@ def place(g: Group, entries: Sequence[Entry], fn: str) -> Placed | None:
         return None
     if g.mesh is None:
         first = entries[min(dts)][0]
-        mesh = dts[min(dts)].device_mesh
+        mesh = torch_compat.device_mesh(dts[min(dts)])
         names, _, flat = torch_compat.mesh_layout(mesh)
         if sorted(flat) != sorted(g.ranks):
             raise InvalidArgumentError(
-                f"{fn}(): buffer '{first}' is a DTensor on a DeviceMesh of ranks {sorted(flat)}, but the call runs over "
-                f"ranks {list(g.ranks)}: pass group=mesh (or (mesh, dim)) for the mesh it lives on")
+                f"{fn}(): buffer '{first}' is a DTensor on a DeviceMesh of ranks {sorted(flat)}, but the call runs "
+                f"over ranks {list(g.ranks)}: pass group=mesh (or (mesh, dim)) for the mesh it lives on")
         g = with_mesh(g, mesh)
     assert g.mesh is not None
     m = g.mesh
@@ -131,7 +131,7 @@ def place(g: Group, entries: Sequence[Entry], fn: str) -> Placed | None:
         if i not in dts:
             layouts.append(everywhere)
             continue
-        names = tuple(torch_compat.mesh_layout(t.device_mesh)[0])
+        names = tuple(torch_compat.mesh_layout(torch_compat.device_mesh(t))[0])
         unknown = [n for n in names if n not in m.names]
         if unknown or len(set(names)) != len(names):
             raise InvalidArgumentError(

@@ -250,8 +250,8 @@ def _placed_broadcast(placed: _placement.Placed, src: int, call: tuple, deadline
     done = set(partials.indices)
     classes = [(sub, idx) for sub, idx in placed.classes([i for i in range(len(entries)) if i not in done])
                if sub is not None]
-    plans = [(sub, [entries[i][1] for i in idx], _placement.source_in(g, sub, src)) for sub, idx in classes]
-    plans = [(sub, ts, s, _wire.plan(ts)) for sub, ts, s in plans]
+    sends = [(sub, [entries[i][1] for i in idx]) for sub, idx in classes]
+    plans = [(sub, ts, _placement.source_in(g, sub, src), _wire.plan(ts)) for sub, ts in sends]
 
     def prepare() -> Any:
         partials.prepare()
