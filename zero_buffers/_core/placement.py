@@ -8,11 +8,13 @@ spans it), every buffer has, for each dimension the call spans, one of three rol
     replicated  its local values must be equal along that dimension: checked there, synced there (from ``src``'s
                 coordinate, or reduced by the buffer's rule). A plain tensor is replicated on every dimension, and so
                 is a DTensor on every dimension its own mesh lacks; a DTensor is where it says ``Replicate()``.
-    partial     ``Partial(op)``: its local values are summands of one value. The tools that write reduce them
-                (``op``: sum, avg, max, min) over those dimensions and relabel them ``Replicate()`` (the DTensor
-                object stays the same; its value, ``full_tensor()``, does not change); then the dimensions are
-                replicated ones. ``buffer_report`` neither compares nor moves them, and neither does
-                ``keep_in_sync`` (a Partial counter is reduced by a call: ``sync_buffers`` before the optimizer step).
+    partial     ``Partial(op)``: its local values are summands of one value. ``sync_buffers`` (and any sync by
+                rules) reduces them with ``op`` (sum, avg, max, min) over those dimensions and relabels them
+                ``Replicate()`` (the DTensor object stays the same; its value, ``full_tensor()``, does not change);
+                from then on they are replicated dimensions. ``broadcast_buffers`` copies, and a copied summand would
+                change the value, so it leaves them as they are; ``buffer_report`` does not compare them;
+                ``keep_in_sync`` leaves a Partial DTensor alone (a forward keeps adding this rank's summands to it:
+                reduce it with ``sync_buffers`` where the value is needed, before the optimizer step).
     sharded     ``Shard(d)``: each coordinate holds its own part; never compared or moved along that dimension.
 
 A DTensor's local tensor (an alias of its storage) is what travels, and its placements are part of the structure

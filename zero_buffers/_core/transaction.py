@@ -216,8 +216,8 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
               failure: Failure = None, unchanged: str = "nothing was changed",
               step: str = "a rank could not take part", placed: _placement.Placed | None = None) -> int:
     """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many. ``placed``: the
-    entries over a mesh ([Note: placements]): each replicated one from ``src``'s coordinate over the dimensions it is
-    replicated on, the Partial ones reduced first."""
+    entries over a mesh ([Note: placements]): each from ``src``'s coordinate over the dimensions it is replicated on
+    (never along a Partial or Shard dimension)."""
     if placed is not None:
         return _placed_broadcast(placed, src, call, deadline, what, failure=failure, unchanged=unchanged, step=step)
     tensors = [t for _, t in entries]
@@ -243,22 +243,18 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
 def _placed_broadcast(placed: _placement.Placed, src: int, call: tuple, deadline: _wire.Deadline, what: str, *,
                       failure: Failure, unchanged: str, step: str) -> int:
     """:func:`broadcast` over a mesh: one bucket plan per class of replicated dimensions, each broadcast in its own
-    group ([Note: placements]); Partial entries reduced, then broadcast; the votes over the whole group."""
+    group from ``src``'s coordinate there; the votes over the whole group ([Note: placements]: a broadcast copies,
+    so Partial dimensions, whose summands it would change the value of, are left as they are)."""
     g, entries = placed.g, placed.entries
     call = ("broadcast", src, *call, "placements", placed.signature)
-    partials = _placement.Partials(placed, src)
-    done = set(partials.indices)
-    classes = [(sub, idx) for sub, idx in placed.classes([i for i in range(len(entries)) if i not in done])
-               if sub is not None]
-    sends = [(sub, [entries[i][1] for i in idx]) for sub, idx in classes]
+    sends = [(sub, [entries[i][1] for i in idx]) for sub, idx in placed.classes(range(len(entries)))
+             if sub is not None]
     plans = [(sub, ts, _placement.source_in(g, sub, src), _wire.plan(ts)) for sub, ts in sends]
 
     def prepare() -> Any:
-        partials.prepare()
         return [_wire.send_space(ts, bs) if sub.me == s else _wire.receive_space(bs) for sub, ts, s, bs in plans]
 
     def exchange(spaces: Any) -> None:
-        partials.exchange(deadline, what)
         for (sub, ts, s, bs), space in zip(plans, spaces):
             _wire.broadcast(sub, ts, bs, s, space, deadline, what)
 
@@ -266,7 +262,6 @@ def _placed_broadcast(placed: _placement.Placed, src: int, call: tuple, deadline
         for (sub, ts, s, bs), space in zip(plans, spaces):
             if sub.me != s:
                 _wire.write(ts, bs, space)
-        partials.apply()
 
     commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
            unchanged=unchanged, step=step)
