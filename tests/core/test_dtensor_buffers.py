@@ -260,3 +260,78 @@ def test_a_torchtitan_style_moe_with_dtensor_buffers_passes_every_tool(ranks4):
         for o in out:
             assert torch.allclose(o[synced][1], mean, rtol=0, atol=1e-6)
             assert torch.allclose(o[synced][2], var, rtol=0, atol=1e-6)
+
+
+# ============================================================================ faults, placements as rules, keep_in_sync
+
+def _fault_on_one_line(rank, world, tool, phase):
+    """Rank 3 fails at ``phase``; rank 0 and 2 (the other tp line) would have finished their own line's collectives:
+    every rank of the mesh must raise the same error and keep its buffers."""
+    from zero_buffers._core import transaction as _transaction
+    mesh = _mesh()
+    m = _holder(rank, mesh)
+    before = _state(m)
+    real = _transaction.reached
+
+    def fail(at, what):
+        if at.value == phase:
+            raise RuntimeError(f"injected at {phase} on rank {rank}")
+        real(at, what)
+    if rank == 3:
+        _transaction.reached = fail
+    try:
+        if tool == "sync_buffers":
+            zb.sync_buffers(m, rules={"rep": "mean"}, group=mesh, timeout=60)
+        else:
+            zb.broadcast_buffers(m, group=mesh, timeout=60)
+        raised = None
+    except zb.SyncAbortedError as e:
+        raised = (type(e).__name__, e.ranks)
+    finally:
+        _transaction.reached = real
+    after = _state(m)
+    same = all(bitwise_equal(before[n][0], after[n][0]) and before[n][1] == after[n][1] for n in before)
+    return raised, same
+
+
+@pytest.mark.parametrize("tool", ["sync_buffers", "broadcast_buffers"])
+@pytest.mark.parametrize("phase", ["prepare", "exchange"])
+def test_a_rank_failing_on_one_mesh_line_makes_every_rank_raise_and_change_nothing(ranks4, tool, phase):
+    out = ranks4.run(_fault_on_one_line, tool, phase, timeout=TIMEOUT)
+    assert all(o == (("SyncAbortedError", (3,)), True) for o in out), out
+
+
+def _rules_and_kept(rank, world):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    mesh = _mesh()
+    plain = nn.Module()
+    plain.register_buffer("hits", torch.tensor([float(rank), 1.0]))
+    plain.register_buffer("top", torch.tensor([float(rank)]))
+    plain.register_buffer("ref", torch.tensor([float(rank)]))
+    zb.sync_buffers(plain, rules={"hits": Partial(), "top": Partial("max"), "ref": Replicate()}, group=mesh)
+    out = {"plain": [plain.hits.tolist(), plain.top.tolist(), plain.ref.tolist()]}
+    try:
+        zb.sync_buffers(plain, rules={"hits": Shard(0)}, group=mesh)
+    except zb.InvalidArgumentError as e:
+        out["shard_rule"] = str(e)
+    m = _holder(rank, mesh)
+    handle = zb.keep_in_sync(m, group=mesh, rules={"rep": "mean"})
+    handle.sync()
+    handle.remove()
+    out["kept"] = _state(m)
+    return out
+
+
+def test_rules_may_name_placements_and_keep_in_sync_syncs_shards_over_their_replicas(ranks4):
+    out = ranks4.run(_rules_and_kept, timeout=TIMEOUT)
+    f64 = torch.float64
+    rep = torch.stack([_rep_value(r).to(f64) for r in range(4)]).mean(0)
+    for rank, o in enumerate(out):
+        assert o["plain"] == [[6.0, 4.0], [3.0], [0.0]]  # Partial() sums, Partial("max"), Replicate() from rank 0
+        assert "names the placement Shard(dim=0)" in o["shard_rule"], o["shard_rule"]
+        kept = o["kept"]
+        assert torch.allclose(kept["rep"][0].to(f64), rep, rtol=0, atol=1e-6)
+        tp = rank % 2
+        assert bitwise_equal(kept["table"][0], GLOBAL[4 * tp:4 * tp + 4]), kept["table"][0]  # dp=0's replica, its shard
+        assert bitwise_equal(kept["counts"][0], _summand(rank // 2))  # Partial: left to sync_buffers
+        assert kept["counts"][1] == ("Partial", "Replicate")
