@@ -429,16 +429,20 @@ def local_tensor(t: Any) -> torch.Tensor:
         return t.to_local()
 
 
-def mark_replicated(t: Any, dims: Sequence[int]) -> None:
+def mark_replicated(t: Any, dims: Sequence[int]) -> Callable[[], None]:
     """Relabel the mesh dimensions ``dims`` of DTensor ``t`` Replicate, in place (its local tensor now holds the
-    reduced value there): the object stays the same, so modules and optimizers that hold it see the change.
-    Private: ``DTensor._spec`` (a ``DTensorSpec`` dataclass with ``placements``)."""
+    reduced value there): the object stays the same, so modules and optimizers that hold it see the change. Returns
+    what puts the old placements back. Private: ``DTensor._spec`` (a ``DTensorSpec`` dataclass with ``placements``)."""
     from torch.distributed.tensor import Replicate
     spec = getattr(t, "_spec", None)
     if spec is None or not dataclasses.is_dataclass(spec) or not hasattr(spec, "placements"):
         raise missing("torch", "DTensor._spec (a DTensorSpec dataclass with placements)")
     new = tuple(Replicate() if i in dims else p for i, p in enumerate(spec.placements))
     t._spec = dataclasses.replace(spec, placements=new)  # type: ignore[type-var]
+
+    def undo() -> None:
+        t._spec = spec
+    return undo
 
 
 def device_mesh(t: Any) -> Any:

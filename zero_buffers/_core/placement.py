@@ -27,7 +27,7 @@ shapes across the ranks (uneven shards are a structure mismatch).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,7 @@ class Partials:
         self.placed, self.src = placed, src
         self.indices = placed.partial()
         self.flats: list[torch.Tensor] = []
+        self.undo: list[Callable[[], None]] = []
 
     def prepare(self) -> None:
         ts = [self.placed.entries[i][1] for i in self.indices]
@@ -219,4 +220,10 @@ class Partials:
         for i, flat in zip(self.indices, self.flats):
             t = self.placed.entries[i][1]
             t.copy_(flat.view(t.shape) if flat.dtype == t.dtype else flat.view(t.shape).to(t.dtype))
-            torch_compat.mark_replicated(self.placed.dtensors[i], self.placed.layouts[i].partial)
+            self.undo.append(torch_compat.mark_replicated(self.placed.dtensors[i], self.placed.layouts[i].partial))
+
+    def relabel_back(self) -> None:
+        """Put the Partial placements back (an ``after_sync`` hook failed on some rank: every rank undoes the call)."""
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()

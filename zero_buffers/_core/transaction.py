@@ -134,11 +134,13 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
            compute: Callable[[Any], None] | None = None, failure: Failure = None,
            unchanged: str = "nothing was changed", step: str = "a rank could not take part", digest: int | None = None,
-           extra: int = 0, after: Sequence[Callable[[], None]] = (), keep: Sequence[torch.Tensor] = ()) -> list[int]:
+           extra: int = 0, after: Sequence[Callable[[], None]] = (), keep: Sequence[torch.Tensor] = (),
+           undo: Callable[[], None] | None = None) -> list[int]:
     """Run the phases ([Note: the transaction]) over ``entries``: ``prepare()`` allocates (PREPARE), ``exchange(space)``
     issues every collective (even after a local failure, as :func:`_wire.broadcast` does) and ``compute(space)``
     computes what will be written (EXCHANGE), ``apply(space)`` copies (WRITE), each of ``after`` runs then (AFTER; on
-    failure anywhere, every rank puts back ``entries`` and ``keep``, what the hooks may change, and raises).
+    failure anywhere, every rank puts back ``entries`` and ``keep``, what the hooks may change, calls ``undo`` for
+    what WRITE changed besides values (placements), and raises).
     ``failure`` aborts on every rank after the structure check, with ``step`` saying what failed. ``extra`` rides
     along the first collective; returns every member's."""
     problem = unsendable(g, entries, what)
@@ -171,7 +173,12 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
     if after:
         saved = snapshot([t for _, t in entries] + list(keep))  # only where a post-write step can fail
         apply(space)
-        run_after(g, after, deadline, what, saved)
+
+        def restore() -> None:
+            saved()
+            if undo is not None:
+                undo()
+        run_after(g, after, deadline, what, restore)
     else:
         apply(space)
     return [e for _, e in votes]

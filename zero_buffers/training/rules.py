@@ -390,5 +390,6 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
     moved = placed.entries if placed is not None else entries
     # [Note: the transaction]: the hooks run in AFTER, where a failure on any rank puts every rank's buffers back
     _transaction.commit(g, ("rules", src, plan.signature, *call), moved, deadline, fn, prepare=prepare,
-                        exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked())
+                        exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked(),
+                        undo=partials.relabel_back if partials is not None else None)
     return len(entries)
