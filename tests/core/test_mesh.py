@@ -57,3 +57,51 @@ def test_a_buffer_drifted_on_a_whole_tp_coordinate_names_only_the_tp_dimension(r
         assert o["row"] == (False, (1, 3), ("tp",), ((0, 1), (1, 1))), o["row"]
         assert "along tp" in o["text"], o["text"]
         assert o["after"]
+
+
+def _costs(rank, world):
+    from tests.helpers import log_collectives, restore_collectives
+    mesh = _mesh()
+    block = _Block()
+    zb.buffer_report(block, group=mesh)  # warm: the lines' groups exist already (init_device_mesh made them)
+    out = {}
+    for name, call in (("report", lambda: zb.buffer_report(block, group=mesh)),
+                       ("broadcast", lambda: zb.broadcast_buffers(block, group=mesh))):
+        log: list = []
+        real = log_collectives(log)
+        try:
+            call()
+        finally:
+            restore_collectives(real)
+        out[name] = log
+    return out
+
+
+def test_plain_buffers_over_a_mesh_cost_what_they_cost_over_the_world(ranks4):
+    """In sync: one all_gather of 3 int64 for the report; broadcast: the agreement, one broadcast per dtype bucket
+    over the whole group (not one per dimension), the received vote."""
+    out = ranks4.run(_costs, timeout=TIMEOUT)
+    for o in out:
+        assert o["report"] == [("all_gather", "torch.int64", 3)], o["report"]
+        assert o["broadcast"] == [("all_gather", "torch.int64", 3), ("broadcast", "torch.float32", 4),
+                                  ("broadcast", "torch.int64", 1), ("all_gather", "torch.int64", 1)], o["broadcast"]
+
+
+def _three_dims(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    m = _Block()
+    m.register_buffer("stage", DTensor.from_local(torch.ones(2), mesh, [Shard(0), Replicate(), Replicate()],
+                                                  run_check=False))
+    try:
+        zb.sync_buffers(m, group=mesh)
+    except zb.InvalidArgumentError as e:
+        return str(e)
+    return None
+
+
+def test_a_class_of_two_dimensions_of_a_3d_mesh_is_refused_by_name_on_every_rank(ranks4):
+    out = ranks4.run(_three_dims, timeout=TIMEOUT)
+    assert out[0] is not None and all(o == out[0] for o in out), out
+    assert "'stage'" in out[0] and "['dp', 'tp'] together" in out[0], out[0]
