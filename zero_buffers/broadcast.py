@@ -28,7 +28,9 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     ``include_parameters=True`` also every parameter that neither ZeRO nor FSDP shards (no DTensor), for
     modules each rank built on its own. ``src`` is a rank *within* ``group`` (the default group: the
     global rank; a ``DeviceMesh`` or ``(mesh, "dim")`` stands for its group). ``ignore`` holds qualified
-    buffer names or module paths to leave alone.
+    buffer names or module paths to leave alone. Over a mesh, each buffer takes the value at ``src``'s coordinate
+    along the dimensions it is replicated over; DTensor buffers are never moved along a ``Shard`` or ``Partial``
+    dimension ([Note: placements]).
 
     ``materialize=True``: a receiver's buffers (and, with ``include_parameters``, parameters) on the
     ``meta`` device, which hold no data, are allocated like the source's (its dtype and shape) on the

@@ -374,6 +374,10 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
     with world 1) every row is in sync and ``checked`` is False. ``timeout`` (seconds or a timedelta)
     bounds the whole call; past it, or when a peer dies, :class:`CollectiveError` is raised.
 
+    ``group=mesh`` (a multi-dimensional DeviceMesh), or DTensor buffers: each buffer is compared along the mesh
+    dimensions it is replicated over only, and rows name the dimensions and coordinates that disagree
+    ([Note: placements]).
+
     Example::
 
         report = zero_buffers.buffer_report(model)

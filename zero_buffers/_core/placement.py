@@ -74,12 +74,12 @@ class Placed:
         """The entries with Partial dimensions."""
         return [i for i, lay in enumerate(self.layouts) if lay.partial]
 
-    def classes(self, indices: Sequence[int], dims: str = "replicate") -> list[tuple[Group | None, list[int]]]:
-        """``indices`` by the group of their ``dims`` (``"replicate"``, ``"partial"``), in first-seen order (the
-        same on every rank: the layouts are agreed); None for entries with no such dimension."""
+    def classes(self, indices: Sequence[int]) -> list[tuple[Group | None, list[int]]]:
+        """``indices`` by the group of the dimensions they are replicated over, in first-seen order (the same on
+        every rank: the layouts are agreed); None for entries replicated over none."""
         order: dict[tuple[int, ...], list[int]] = {}
         for i in indices:
-            order.setdefault(getattr(self.layouts[i], dims), []).append(i)
+            order.setdefault(self.layouts[i].replicate, []).append(i)
         return [(over(self.g, key), idx) for key, idx in order.items()]
 
 

@@ -71,9 +71,9 @@ def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | Non
     distributed = [n for n, t in entries if torch_compat.is_dtensor(t)]
     if distributed:
         return InvalidArgumentError(
-            f"{what}(): {len(distributed)} buffer(s) are DTensors, e.g. '{distributed[0]}': their placements say how "
-            "they are laid out over a mesh, and zero_buffers syncs replicated plain tensors only. Pass "
-            "ignore=(name,), or register buffer.full_tensor() / buffer.to_local()")
+            f"{what}(): {len(distributed)} buffer(s) are DTensors, e.g. '{distributed[0]}', which this function does "
+            "not take (broadcast_buffers, buffer_report, sync_buffers and keep_in_sync sync them by placement: "
+            "docs/mesh.md). Pass ignore=(name,), or register buffer.full_tensor() / buffer.to_local()")
     meta = [n for n, t in entries if t.is_meta]
     if meta:
         return InvalidArgumentError(
