@@ -11,6 +11,7 @@ from ._core import (
     args as _args,
     group as _group,
     modules as _modules,
+    placement as _placement,
     structure as _structure,
     transaction as _transaction,
     wire as _wire,
@@ -27,7 +28,9 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     ``include_parameters=True`` also every parameter that neither ZeRO nor FSDP shards (no DTensor), for
     modules each rank built on its own. ``src`` is a rank *within* ``group`` (the default group: the
     global rank; a ``DeviceMesh`` or ``(mesh, "dim")`` stands for its group). ``ignore`` holds qualified
-    buffer names or module paths to leave alone.
+    buffer names or module paths to leave alone. Over a mesh, each buffer takes the value at ``src``'s coordinate
+    along the dimensions it is replicated over; DTensor buffers are never moved along a ``Shard`` or ``Partial``
+    dimension ([Note: placements]).
 
     ``materialize=True``: a receiver's buffers (and, with ``include_parameters``, parameters) on the
     ``meta`` device, which hold no data, are allocated like the source's (its dtype and shape) on the
@@ -89,7 +92,9 @@ def broadcast_buffers(module: nn.Module, src: int = 0, *, group: Any = None, inc
     entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     if materialize:
         return _materialize(module, g, entries, src, include_parameters, adopt_dtype, deadline, fn)
-    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn)  # [Note: the transaction]
+    placed = _placement.placed(g, entries, deadline, fn)  # over a mesh: [Note: placements]
+    return _transaction.broadcast(g, entries, src, (fn, include_parameters), deadline, fn,  # [Note: the transaction]
+                                  placed=placed)
 
 
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "npu", "mps", "mtia")  # a device type as a small int, for the vote

@@ -16,6 +16,7 @@ from ._core import (
     digest as _digest,
     group as _group,
     modules as _modules,
+    placement as _placement,
     structure as _structure,
     transaction as _transaction,
     wire as _wire,
@@ -41,7 +42,13 @@ class BufferRow:
     (``((1, "bfloat16"),)``): such a row is out of sync, those ranks are among ``differing_ranks``, and its values
     were still compared (in float64). ``degraded_ranks``: the ranks holding it in a dtype its declaration says is
     too coarse ([Note: declared precision]: BatchNorm statistics or transformers' fp32 buffers in 16 bits), with the
-    declared dtype (``declared``) and the declaration's reason (``why``); those are empty when no rank does."""
+    declared dtype (``declared``) and the declaration's reason (``why``); those are empty when no rank does.
+
+    Over a DeviceMesh ([Note: placements]): ``mesh_dims`` names the dimensions along which some line of ranks holds
+    different values (of those the buffer is replicated over), ``coordinates`` the mesh coordinates of
+    ``differing_ranks`` (in that order), and ``placement`` the buffer's placements (``dp:R,tp:S(0)``); each rank is
+    compared with the reference of its own class (the rank at coordinate 0 of the replicated dimensions, its own
+    coordinates elsewhere)."""
 
     name: str
     dtype: str
@@ -56,6 +63,9 @@ class BufferRow:
     degraded_ranks: tuple[int, ...] = ()
     declared: str = ""
     why: str = ""
+    mesh_dims: tuple[str, ...] = ()
+    coordinates: tuple[tuple[int, ...], ...] = ()
+    placement: str = ""
 
     @property
     def dtype_text(self) -> str:
@@ -84,6 +94,7 @@ class BufferReport:
     atol: float
     checked: bool = field(default=True)
     training: bool = True
+    mesh: tuple[str, ...] = ()
 
     @property
     def in_sync(self) -> bool:
@@ -283,6 +294,9 @@ def _render(report: BufferReport, pick: _Selection, head: str | None, precision:
         (r.name, r.dtype_text, str(list(r.shape)), "yes" if r.in_sync else "NO", f"{r.max_abs_diff:.4g}",
          f"{r.max_rel_diff:.3g}", _ranks(r.differing_ranks) or "-") for r in pick.rows]
     titles: tuple[str, ...] = ("buffer", "dtype", "shape", "in sync", "max |diff|", "rel", "differing ranks")
+    if any(r.mesh_dims for r in pick.rows):
+        titles += ("mesh",)
+        cells = [(*c, _mesh_cell(r, report.mesh)) for c, r in zip(cells, pick.rows)]
     if any(r.degraded_ranks for r in pick.rows) and precision:
         titles += ("precision",)
         cells = [(*c, _precision_cell(r, report.ranks)) for c, r in zip(cells, pick.rows)]
@@ -301,6 +315,15 @@ def _render(report: BufferReport, pick: _Selection, head: str | None, precision:
     elif pick.in_sync_hidden:
         lines.append(f"({pick.in_sync_hidden} buffers in sync not shown; format(full=True) shows every row)")
     return "\n".join(lines + _precision_lines(degraded, report.ranks))
+
+
+def _mesh_cell(row: BufferRow, names: Sequence[str]) -> str:
+    """``along tp at (dp=0, tp=1), (dp=1, tp=1)``."""
+    if not row.mesh_dims:
+        return ""
+    at = ", ".join("(" + ", ".join(f"{n}={c}" for n, c in zip(names, cs)) + ")" for cs in row.coordinates[:4])
+    more = f" and {len(row.coordinates) - 4} more" if len(row.coordinates) > 4 else ""
+    return f"along {'+'.join(row.mesh_dims)} at {at}{more}"
 
 
 def _precision_cell(row: BufferRow, ranks: Sequence[int]) -> str:
@@ -350,6 +373,10 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
     per differing buffer gives ``max_abs_diff`` and ``differing_ranks``. Without a process group (or
     with world 1) every row is in sync and ``checked`` is False. ``timeout`` (seconds or a timedelta)
     bounds the whole call; past it, or when a peer dies, :class:`CollectiveError` is raised.
+
+    ``group=mesh`` (a multi-dimensional DeviceMesh), or DTensor buffers: each buffer is compared along the mesh
+    dimensions it is replicated over only, and rows name the dimensions and coordinates that disagree
+    ([Note: placements]).
 
     Example::
 
@@ -402,6 +429,11 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     entries = _modules.named_buffers(module, ignore=skip, include_parameters=include_parameters, fn=fn)
     transient = _modules.non_persistent_names(module)
     decl: dict[int, _declared.Declared] = {}
+    placed = _placement.placed(g, entries, deadline, fn) if g is not None else None
+    texts: list[str] = [""] * len(entries)
+    if placed is not None:  # over a mesh, DTensors by their local tensors ([Note: placements])
+        g, entries = placed.g, placed.entries
+        texts = [lay.text if i in placed.dtensors else "" for i, lay in enumerate(placed.layouts)]
 
     def row(i: int, degraded: Sequence[int] = (), same_declarations: bool = True, **verdict: Any) -> BufferRow:
         name, t = entries[i]
@@ -412,7 +444,8 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
                          tuple(t.shape), name not in transient, verdict.get("in_sync", True), verdict.get("diff", 0.0),
                          verdict.get("ranks", ()), verdict.get("rel", 0.0), verdict.get("untrained", ()),
                          verdict.get("rank_dtypes", ()), tuple(degraded), declared if degraded else "",
-                         why if degraded else "")
+                         why if degraded else "", verdict.get("mesh_dims", ()), verdict.get("coordinates", ()),
+                         texts[i])
 
     if g is None:
         me = _group.global_rank()
@@ -421,7 +454,8 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
         return BufferReport(tuple(row(i, (me,) if codes[i] & 0x80 else ()) for i in range(len(entries))), (me,), me,
                             atol, checked=False, training=module.training)
     tensors = [t for _, t in entries]
-    call = (fn, atol, include_parameters)
+    call = (fn, atol, include_parameters, *(("placements", placed.signature) if placed is not None else ()))
+    names = g.mesh.names if g.mesh is not None else ()
     problem = _transaction.unsendable(g, entries, fn)  # such tensors cannot be hashed either
     known: dict[int, int] = {}  # digests of the large buffers, hashed once for both uses
     failure: BaseException | None = None  # this rank's, voted on: every rank raises the same SyncAbortedError
@@ -451,7 +485,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
                 _IN_SYNC.clear()
             report = _IN_SYNC[key] = BufferReport(
                 tuple(row(i, g.ranks if codes[i] & 0x80 else ()) for i in range(len(entries))), g.ranks, g.ranks[0],
-                atol, training=module.training)
+                atol, training=module.training, mesh=names)
         return report
     # The differing path: a rank that fails from here on still takes part in every collective (zeros where its
     # values would be) and says so in the last one, so every rank raises the same error instead of waiting for it.
@@ -471,11 +505,20 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     held = [_structure.unpack_bytes(d[n:n + len(packed)], n) for d in digests]  # per member, per buffer
     kinds = [[c & 0x7F for c in h] for h in held]
     same_declarations = all(d[-2] == digests[0][-2] for d in digests)
-    differ = [i for i in range(n) if any(d[i] != digests[0][i] or k[i] != kinds[0][i] for d, k in zip(digests, kinds))]
-    reference = [_structure.dtype_of(kinds[0][i]) or tensors[i].dtype for i in differ]  # group rank 0's dtypes
-    measured, compare_failure = _compare_with_reference(g, [tensors[i] for i in differ], reference, deadline, fn,
-                                                        slabs)
-    failure = failure or compare_failure
+    refs = _references(g, placed, n)  # per buffer, per member: the member it is compared with
+    differ = [i for i in range(n) if any(digests[j][i] != digests[refs[i][j]][i] or kinds[j][i] != kinds[refs[i][j]][i]
+                                         for j in range(g.size))]
+    measured_of: dict[int, tuple[float, float]] = {}
+    for sub, idx in (placed.classes(differ) if placed is not None else [(g, differ)]):
+        if sub is None:
+            continue  # sharded or partial on every dimension: nothing to compare with
+        first = refs[idx[0]][g.me] if idx else 0
+        reference = [_structure.dtype_of(kinds[first][i]) or tensors[i].dtype for i in idx]  # the line's first's
+        measured, compare_failure = _compare_with_reference(sub, [tensors[i] for i in idx], reference, deadline, fn,
+                                                            slabs)
+        measured_of.update(zip(idx, measured))
+        failure = failure or compare_failure
+    measured = [measured_of.get(i, (0.0, 0.0)) for i in differ]
     untrained = [False] * len(differ)
     try:
         untrained = _untrained_flags(module, [entries[i][0] for i in differ])
@@ -502,18 +545,60 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
 
     rows = {i: row(i, **common(i)) for i in range(n)}
     for k, i in enumerate(differ):
+        ref = refs[i]
         diffs = [table[j][3 * k] for j in range(g.size)]
-        retyped = {j for j in range(g.size) if kinds[j][i] != kinds[0][i]}  # another dtype: out of sync, whatever atol
+        # another dtype than its reference's: out of sync, whatever atol
+        retyped = {j for j in range(g.size) if kinds[j][i] != kinds[ref[j]][i]}
         if atol == 0:
-            bad = tuple(r for j, r in enumerate(g.ranks) if digests[j][i] != digests[0][i] or j in retyped)
+            bad_j = [j for j in range(g.size) if digests[j][i] != digests[ref[j]][i] or j in retyped]
         else:
-            bad = tuple(r for j, (r, d) in enumerate(zip(g.ranks, diffs)) if not d <= atol or j in retyped)
+            bad_j = [j for j, d in enumerate(diffs) if not d <= atol or j in retyped]
+        bad = tuple(g.ranks[j] for j in bad_j)
         worst = max(diffs)
-        scale = table[0][3 * k + 1]
+        scale = max(table[ref[j]][3 * k + 1] for j in bad_j) if bad_j else table[0][3 * k + 1]
         rel = 0.0 if worst == 0 else math.inf if scale == 0 else worst / scale
         fresh = tuple(r for j, r in enumerate(g.ranks) if table[j][3 * k + 2])
-        rows[i] = row(i, in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh, **common(i))
-    return BufferReport(tuple(rows[i] for i in range(n)), g.ranks, g.ranks[0], atol, training=bool(table[0][-2]))
+        where: dict[str, Any] = {}
+        if g.mesh is not None and bad_j:
+            where = {"mesh_dims": _disagreeing(g, placed, i, [d[i] for d in digests], set(bad_j)),
+                     "coordinates": tuple(g.mesh.coords[j] for j in bad_j)}
+        rows[i] = row(i, in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh, **common(i), **where)
+    return BufferReport(tuple(rows[i] for i in range(n)), g.ranks, g.ranks[0], atol, training=bool(table[0][-2]),
+                        mesh=names)
+
+
+def _references(g: _group.Group, placed: _placement.Placed | None, n: int) -> list[list[int]]:
+    """Per buffer, per member (group order): the member it is compared with. Without a mesh, group rank 0; over a
+    mesh ([Note: placements]), the member at coordinate 0 of the dimensions the buffer is replicated over and at the
+    member's own coordinates on the others (the first of its line; itself where it is replicated nowhere)."""
+    if placed is None or g.mesh is None:
+        return [[0] * g.size] * n
+    m = g.mesh
+    at = {c: j for j, c in enumerate(m.coords)}
+    out = []
+    for lay in placed.layouts:
+        if set(lay.replicate) == set(m.dims):
+            out.append([0] * g.size)
+            continue
+        out.append([at[tuple(0 if d in lay.replicate else x for d, x in enumerate(c))] for c in m.coords])
+    return out
+
+
+def _disagreeing(g: _group.Group, placed: _placement.Placed | None, i: int, digests: Sequence[int],
+                 bad: set[int]) -> tuple[str, ...]:
+    """The mesh dimensions (of those buffer ``i`` is replicated over) along which two members that differ in that
+    coordinate alone hold different values, one of them out of sync."""
+    assert g.mesh is not None
+    m = g.mesh
+    dims = placed.layouts[i].replicate if placed is not None else m.dims
+    out = []
+    for d in dims:  # the members by line along d (their coordinates elsewhere): one pass, not one per pair
+        lines: dict[tuple[int, ...], list[int]] = {}
+        for j, c in enumerate(m.coords):
+            lines.setdefault(c[:d] + c[d + 1:], []).append(j)
+        if any(len({digests[j] for j in line}) > 1 and bad.intersection(line) for line in lines.values()):
+            out.append(m.names[d])
+    return tuple(out)
 
 
 def _slabs(tensors: Sequence[torch.Tensor]) -> dict[torch.device, torch.Tensor]:

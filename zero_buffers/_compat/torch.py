@@ -7,6 +7,7 @@ import builtins
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -388,6 +389,78 @@ def is_dtensor(t: Any) -> bool:
 
 def is_device_mesh(obj: Any) -> bool:
     return _is(obj, "DeviceMesh", "torch.distributed")
+
+
+def placements(t: Any) -> tuple[tuple[str, Any], ...]:
+    """A DTensor's placements as data, one per dimension of its mesh: ``("R", None)``, ``("S", tensor dim)`` or
+    ``("P", reduce op)`` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ...). Public API: ``DTensor.placements``,
+    ``Placement.is_replicate / is_shard / is_partial``, ``Shard.dim``, ``Partial.reduce_op``."""
+    out: list[tuple[str, Any]] = []
+    for p in t.placements:
+        if p.is_replicate():
+            out.append(("R", None))
+        elif p.is_partial():
+            out.append(("P", str(p.reduce_op)))
+        elif p.is_shard():
+            out.append(("S", int(p.dim)))
+        else:
+            out.append(("?", type(p).__name__))
+    return tuple(out)
+
+
+def placement_rule(value: Any) -> tuple[str, Any] | None:
+    """A placement object (``Replicate()``, ``Partial(op)``, ``Shard(d)``) as :func:`placements` writes it; None for
+    anything else."""
+    if not _is(value, "Placement", "torch.distributed.tensor"):
+        return None
+    if value.is_replicate():
+        return ("R", None)
+    if value.is_partial():
+        return ("P", str(value.reduce_op))
+    if value.is_shard():
+        return ("S", int(value.dim))
+    return ("?", type(value).__name__)
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local tensor, the storage it holds on this rank: writes to it are writes to the DTensor. Public:
+    ``DTensor.to_local()`` (a view, outside autograd)."""
+    with torch.no_grad():
+        return t.to_local()
+
+
+def mark_replicated(t: Any, dims: Sequence[int]) -> Callable[[], None]:
+    """Relabel the mesh dimensions ``dims`` of DTensor ``t`` Replicate, in place (its local tensor now holds the
+    reduced value there): the object stays the same, so modules and optimizers that hold it see the change. Returns
+    what puts the old placements back. Private: ``DTensor._spec`` (a ``DTensorSpec`` dataclass with ``placements``)."""
+    from torch.distributed.tensor import Replicate
+    spec = getattr(t, "_spec", None)
+    if spec is None or not dataclasses.is_dataclass(spec) or not hasattr(spec, "placements"):
+        raise missing("torch", "DTensor._spec (a DTensorSpec dataclass with placements)")
+    new = tuple(Replicate() if i in dims else p for i, p in enumerate(spec.placements))
+    t._spec = dataclasses.replace(spec, placements=new)  # type: ignore[type-var]
+
+    def undo() -> None:
+        t._spec = spec
+    return undo
+
+
+def device_mesh(t: Any) -> Any:
+    """A DTensor's DeviceMesh (public: ``DTensor.device_mesh``)."""
+    return t.device_mesh
+
+
+def mesh_layout(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+    """A DeviceMesh as data: its dimension names (``dim0``... when unnamed), its shape, and the global rank at each
+    position in row-major order. Public: ``mesh_dim_names``, ``mesh`` (the rank tensor)."""
+    shape = tuple(int(s) for s in mesh.mesh.shape)
+    names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(len(shape))))
+    return names, shape, tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def mesh_dim_group(mesh: Any, dim: int) -> Any:
+    """The process group of this rank's line along mesh dimension ``dim`` (members ordered by coordinate)."""
+    return mesh.get_group(dim)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,10 @@ Nothing here imports a tool (``bn``, ``zero3``, ``training``, ``doctor``, ``broa
 - ``structure``: a call's structure as data (``Spec``), its digest, ``agree()`` (the first collective of every
   call) and the error when ranks differ.
 - ``wire``: the deadline (``Deadline``), control collectives, the bucket plan and the coalesced data collectives.
-- ``group``: the ``Group`` a call runs over, resolved from a ProcessGroup or a DeviceMesh ([Note: rank convention]).
+- ``group``: the ``Group`` a call runs over, resolved from a ProcessGroup or a DeviceMesh, with the ``Mesh`` as data
+  ([Note: rank convention]).
+- ``placement``: DTensor buffers by their local tensors, each entry's role along each mesh dimension and the group
+  each collective runs over ([Note: placements]).
 - ``args``: argument checks run at the call, before any collective (one validator per kind, ranks included).
 - ``modules``: unwrapping engines and wrappers, buffers by qualified name, the BatchNorm layers that track.
 - ``digest``: content digests (host SHA-1, the on-device fingerprint) that ``buffer_report`` and ``keep_in_sync``

@@ -13,6 +13,7 @@ resolved; :func:`check_src` checks it against the group, before any collective.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +26,37 @@ from ..errors import DistributedSetupError, InvalidArgumentError, InvalidSourceR
 
 
 @dataclass(frozen=True)
+class Mesh:
+    """The DeviceMesh a call runs over, as data ([Note: placements] in placement.py): the names and shape of all its
+    dimensions, the ones the call's group spans (``dims``: all of them for ``group=mesh``, one for ``(mesh, dim)``),
+    every member's coordinates (in group order) and this rank's line along each spanned dimension (a :class:`Group`
+    whose members are ordered by their coordinate there)."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+    coords: tuple[tuple[int, ...], ...]
+    lines: tuple[tuple[int, Group], ...]
+
+    def line(self, dim: int) -> Group:
+        return dict(self.lines)[dim]
+
+    def where(self, coords: tuple[int, ...]) -> str:
+        """``(dp=0, tp=1)``."""
+        return "(" + ", ".join(f"{self.names[d]}={coords[d]}" for d in range(len(self.names))) + ")"
+
+
+@dataclass(frozen=True)
 class Group:
     """A process group resolved for one call: its members (global ranks, in group order) and this rank's place
-    (``me``, a group rank: [Note: rank convention])."""
+    (``me``, a group rank: [Note: rank convention]); ``mesh`` when it was given as a DeviceMesh (or adopted from the
+    DTensors' mesh: placement.py)."""
 
     pg: Any
     ranks: tuple[int, ...]
     me: int
     backend: str
+    mesh: Mesh | None = None
 
     @property
     def size(self) -> int:
@@ -65,8 +89,9 @@ def global_rank() -> int:
 
 
 def resolve(group: Any, fn: str) -> Group | None:
-    """``group`` (a ProcessGroup, or None for the default one) for this call; None means there is nothing to
-    synchronise: no process group, a group of one, or this rank is not a member."""
+    """``group`` (a ProcessGroup, a DeviceMesh, (mesh, dimension name), or None for the default one) for this call;
+    None means there is nothing to synchronise: no process group, a group of one, or this rank is not a member."""
+    mesh, dims = _mesh_of(group)
     group = _from_mesh(group, fn)
     if dist.is_available() and not (group is None or group is dist.GroupMember.NON_GROUP_MEMBER
                                     or isinstance(group, dist.ProcessGroup)):
@@ -90,7 +115,41 @@ def resolve(group: Any, fn: str) -> Group | None:
     me = dist.get_rank()
     if len(ranks) <= 1 or me not in ranks:
         return None
-    return Group(pg=group, ranks=ranks, me=ranks.index(me), backend=str(dist.get_backend(pg)))
+    g = Group(pg=group, ranks=ranks, me=ranks.index(me), backend=str(dist.get_backend(pg)))
+    return g if mesh is None else with_mesh(g, mesh, dims)
+
+
+def _mesh_of(group: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """The DeviceMesh in ``group`` and the dimension named (None: all of them), or (None, None)."""
+    if torch_compat.is_device_mesh(group):
+        return group, None
+    if isinstance(group, tuple) and len(group) == 2 and torch_compat.is_device_mesh(group[0]) \
+            and isinstance(group[1], str):
+        return group[0], (group[1],)
+    return None, None
+
+
+def with_mesh(g: Group, mesh: Any, dims: tuple[str, ...] | None = None) -> Group:
+    """``g`` knowing it runs over ``mesh`` (its dimensions ``dims``; None: all of them, and ``g`` spans the mesh)."""
+    names, shape, flat = torch_compat.mesh_layout(mesh)
+    spanned = tuple(range(len(names))) if dims is None else tuple(names.index(d) for d in dims)
+    where = {r: i for i, r in enumerate(flat)}
+    coords = []
+    for r in g.ranks:
+        i, c = where[r], []
+        for size in reversed(shape):
+            i, k = divmod(i, size)
+            c.append(k)
+        coords.append(tuple(reversed(c)))
+    lines = []
+    for d in spanned:
+        if dims is not None:  # (mesh, dim): the group is that line
+            lines.append((d, g))
+            continue
+        pg = torch_compat.mesh_dim_group(mesh, d)
+        members = tuple(dist.get_process_group_ranks(pg))
+        lines.append((d, Group(pg=pg, ranks=members, me=members.index(g.rank), backend=str(dist.get_backend(pg)))))
+    return dataclasses.replace(g, mesh=Mesh(names, shape, spanned, tuple(coords), tuple(lines)))
 
 
 def _from_mesh(group: Any, fn: str) -> Any:

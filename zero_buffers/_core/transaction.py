@@ -38,7 +38,7 @@ import torch
 
 from .._compat import torch as torch_compat
 from ..errors import CollectiveError, InvalidArgumentError, SyncAbortedError, UnsupportedDeviceError
-from . import structure as _structure, wire as _wire
+from . import placement as _placement, structure as _structure, wire as _wire
 from .group import Group
 from .modules import Entry
 
@@ -71,9 +71,9 @@ def unsendable(g: Group, entries: Sequence[Entry], what: str) -> Exception | Non
     distributed = [n for n, t in entries if torch_compat.is_dtensor(t)]
     if distributed:
         return InvalidArgumentError(
-            f"{what}(): {len(distributed)} buffer(s) are DTensors, e.g. '{distributed[0]}': their placements say how "
-            "they are laid out over a mesh, and zero_buffers syncs replicated plain tensors only. Pass "
-            "ignore=(name,), or register buffer.full_tensor() / buffer.to_local()")
+            f"{what}(): {len(distributed)} buffer(s) are DTensors, e.g. '{distributed[0]}', which this function does "
+            "not take (broadcast_buffers, buffer_report, sync_buffers and keep_in_sync sync them by placement: "
+            "docs/mesh.md). Pass ignore=(name,), or register buffer.full_tensor() / buffer.to_local()")
     meta = [n for n, t in entries if t.is_meta]
     if meta:
         return InvalidArgumentError(
@@ -134,11 +134,13 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
            prepare: Callable[[], Any], exchange: Callable[[Any], None], apply: Callable[[Any], None],
            compute: Callable[[Any], None] | None = None, failure: Failure = None,
            unchanged: str = "nothing was changed", step: str = "a rank could not take part", digest: int | None = None,
-           extra: int = 0, after: Sequence[Callable[[], None]] = (), keep: Sequence[torch.Tensor] = ()) -> list[int]:
+           extra: int = 0, after: Sequence[Callable[[], None]] = (), keep: Sequence[torch.Tensor] = (),
+           undo: Callable[[], None] | None = None) -> list[int]:
     """Run the phases ([Note: the transaction]) over ``entries``: ``prepare()`` allocates (PREPARE), ``exchange(space)``
     issues every collective (even after a local failure, as :func:`_wire.broadcast` does) and ``compute(space)``
     computes what will be written (EXCHANGE), ``apply(space)`` copies (WRITE), each of ``after`` runs then (AFTER; on
-    failure anywhere, every rank puts back ``entries`` and ``keep``, what the hooks may change, and raises).
+    failure anywhere, every rank puts back ``entries`` and ``keep``, what the hooks may change, calls ``undo`` for
+    what WRITE changed besides values (placements), and raises).
     ``failure`` aborts on every rank after the structure check, with ``step`` saying what failed. ``extra`` rides
     along the first collective; returns every member's."""
     problem = unsendable(g, entries, what)
@@ -171,7 +173,12 @@ def commit(g: Group, call: tuple, entries: Sequence[Entry], deadline: _wire.Dead
     if after:
         saved = snapshot([t for _, t in entries] + list(keep))  # only where a post-write step can fail
         apply(space)
-        run_after(g, after, deadline, what, saved)
+
+        def restore() -> None:
+            saved()
+            if undo is not None:
+                undo()
+        run_after(g, after, deadline, what, restore)
     else:
         apply(space)
     return [e for _, e in votes]
@@ -214,8 +221,12 @@ def run_after(g: Group, steps: Sequence[Callable[[], None]], deadline: _wire.Dea
 
 def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadline: _wire.Deadline, what: str, *,
               failure: Failure = None, unchanged: str = "nothing was changed",
-              step: str = "a rank could not take part") -> int:
-    """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many."""
+              step: str = "a rank could not take part", placed: _placement.Placed | None = None) -> int:
+    """Every rank's ``entries`` take group rank ``src``'s values, all or nothing; returns how many. ``placed``: the
+    entries over a mesh ([Note: placements]): each from ``src``'s coordinate over the dimensions it is replicated on
+    (never along a Partial or Shard dimension)."""
+    if placed is not None:
+        return _placed_broadcast(placed, src, call, deadline, what, failure=failure, unchanged=unchanged, step=step)
     tensors = [t for _, t in entries]
     call = ("broadcast", src, *call)
     digest, buckets = _structure.digest_and_plan(call, entries)
@@ -233,4 +244,32 @@ def broadcast(g: Group, entries: Sequence[Entry], src: int, call: tuple, deadlin
 
     commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
            unchanged=unchanged, step=step, digest=digest)
+    return len(entries)
+
+
+def _placed_broadcast(placed: _placement.Placed, src: int, call: tuple, deadline: _wire.Deadline, what: str, *,
+                      failure: Failure, unchanged: str, step: str) -> int:
+    """:func:`broadcast` over a mesh: one bucket plan per class of replicated dimensions, each broadcast in its own
+    group from ``src``'s coordinate there; the votes over the whole group ([Note: placements]: a broadcast copies,
+    so Partial dimensions, whose summands it would change the value of, are left as they are)."""
+    g, entries = placed.g, placed.entries
+    call = ("broadcast", src, *call, "placements", placed.signature)
+    sends = [(sub, [entries[i][1] for i in idx]) for sub, idx in placed.classes(range(len(entries)))
+             if sub is not None]
+    plans = [(sub, ts, _placement.source_in(g, sub, src), _wire.plan(ts)) for sub, ts in sends]
+
+    def prepare() -> Any:
+        return [_wire.send_space(ts, bs) if sub.me == s else _wire.receive_space(bs) for sub, ts, s, bs in plans]
+
+    def exchange(spaces: Any) -> None:
+        for (sub, ts, s, bs), space in zip(plans, spaces):
+            _wire.broadcast(sub, ts, bs, s, space, deadline, what)
+
+    def apply(spaces: Any) -> None:
+        for (sub, ts, s, bs), space in zip(plans, spaces):
+            if sub.me != s:
+                _wire.write(ts, bs, space)
+
+    commit(g, call, entries, deadline, what, prepare=prepare, exchange=exchange, apply=apply, failure=failure,
+           unchanged=unchanged, step=step)
     return len(entries)

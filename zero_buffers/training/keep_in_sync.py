@@ -38,6 +38,7 @@ rank's whole value counts (for ``"bn"``: exactly :func:`average_bn_stats`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -54,6 +55,7 @@ from .._core import (
     digest as _digest,
     group as _group,
     modules as _modules,
+    placement as _placement,
     structure as _structure,
     transaction as _transaction,
     wire as _wire,
@@ -83,6 +85,8 @@ class _Kind:
     flats: list[torch.Tensor]  # per bucket, in wire_dtype
     targets: list[list[torch.Tensor]]  # per bucket: its tensors
     names: list[list[str]]  # per bucket: its tensors' qualified names
+    group: _group.Group  # the group it runs over: the call's, or a line of its mesh ([Note: placements])
+    root: int  # "broadcast": the source's group rank in ``group``
     views: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: views of its flat shaped like them
     writes: list[list[torch.Tensor]] = field(default_factory=list)  # per bucket: ``t.data`` of its tensors
     sources: list[list[torch.Tensor] | None] = field(default_factory=list)  # per bucket: ``t.data.view(-1)`` of its
@@ -144,8 +148,14 @@ class _Steady:
     BatchNorm layout and this rank's side of the repeated merges, and what :meth:`current` compares."""
 
     def __init__(self, g: _group.Group, plan: rules_mod.Plan, src: int):
-        self.plan, self.g, self.src = plan, g, src
         entries = plan.synced()
+        placed = _placement.place(g, entries, _FN)  # over a mesh: [Note: placements]
+        if placed is not None:
+            g = placed.g
+        self.plan, self.g, self.src = plan, g, src
+        self.entries = placed.entries if placed is not None else entries  # what travels: DTensors' local tensors
+        local = {id(t): lt for (_, t), (_, lt) in zip(entries, self.entries)}
+        index = {id(t): i for i, (_, t) in enumerate(entries)}
         mine = {id(t) for _, t in entries}
         owners = [(m._buffers, k, t) for m in plan.modules for k, t in m._buffers.items()
                   if t is not None and id(t) in mine]  # where each synced tensor is registered
@@ -160,20 +170,27 @@ class _Steady:
         self.link_dicts, self.link_keys, self.children = [x[0] for x in links], [x[1] for x in links], \
             [x[2] for x in links]
         self.sizes = list(map(len, self.buffer_dicts + self.child_dicts))  # a buffer or a submodule added?
-        self.call = _call(src, plan)
-        self.digest = _structure.digest(self.call, entries)
+        self.digest = _structure.digest(_call(src, plan), entries)
+        self.call = (*_call(src, plan), *(("placements", placed.signature) if placed is not None else ()))
         name_of = {id(a.tensor): a.name for a in plan.assigned}
         self.kinds: list[_Kind] = []
         for rule in ("sum", "mean", "max", "min", "broadcast"):
-            ts = [a.tensor for a in plan.of(rule)]
-            buckets = _wire.plan(ts)
-            if buckets:
-                targets = [[ts[j] for j in b.indices] for b in buckets]
-                kind = _Kind(rule, buckets, [_flat_like(rule, b) for b in buckets], targets,
-                             [[name_of[id(t)] for t in part] for part in targets])
-                if rule == "sum":
-                    kind.sub = [torch.zeros_like(f) for f in kind.flats]
-                self.kinds.append(kind)
+            ids = [index[id(a.tensor)] for a in plan.of(rule)]
+            classes = placed.classes(ids) if placed is not None else [(g, ids)]
+            for sub, idx in classes:
+                if sub is None:
+                    continue  # sharded on every dimension: nothing to sync
+                ts = [local[id(entries[i][1])] for i in idx]
+                buckets = _wire.plan(ts)
+                if buckets:
+                    targets = [[ts[j] for j in b.indices] for b in buckets]
+                    kind = _Kind(rule, buckets, [_flat_like(rule, b) for b in buckets], targets,
+                                 [[entries[idx[j]][0] for j in b.indices] for b in buckets], sub,
+                                 _placement.source_in(g, sub, src))
+                    if rule == "sum":
+                        kind.sub = [torch.zeros_like(f) for f in kind.flats]
+                    self.kinds.append(kind)
+        del name_of
         self.layout = bn_average.layout(plan.bns, g.device, untracked=True)  # kept: the plan's tensors are checked
         self.repeated: bn_average.Repeated | None = None  # set by begin()
         self.width = 2 * g.size  # the check: [failed flag per member, changed flag per member]
@@ -195,7 +212,7 @@ class _Steady:
             if kind.sub is None:
                 continue
             for sub, part, names in zip(kind.sub, kind.targets, kind.names):
-                if self.source:
+                if kind.group.me == kind.root:
                     continue  # the source contributes its whole value: the shared part enters once, through it
                 base = [carry.sums[n] if n in carry.sums else
                         at_start[n] if at_start is not None and shared.get(n) and n in at_start else torch.zeros_like(t)
@@ -217,7 +234,7 @@ class _Steady:
         """The bases the last sync left, by name, for the next agreement (see :class:`_Carry`)."""
         sums: dict[str, torch.Tensor] = {}
         for kind in self.kinds:
-            if kind.sub is not None and not self.source:
+            if kind.sub is not None and kind.group.me != kind.root:
                 for sub, part, names in zip(kind.sub, kind.targets, kind.names):
                     sums.update({n: v.clone() for n, v in zip(names, _views(sub, part))})
         return _Carry(sums, self.repeated.by_layer() if self.repeated is not None else {})
@@ -234,6 +251,24 @@ class _Steady:
             list(map(torch.Tensor.data_ptr, self.tensors)) == self.ptrs and \
             _shapes(self.tensors) == self.shapes and \
             list(map(len, self.buffer_dicts + self.child_dicts)) == self.sizes
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return torch_compat.local_tensor(t) if torch_compat.is_dtensor(t) else t
+
+
+def _partials_left(plan: rules_mod.Plan) -> rules_mod.Plan:
+    """keep_in_sync leaves a Partial DTensor alone by default ([Note: placements]): its local values are this rank's
+    summands, which a forward keeps adding to; ``sync_buffers`` reduces them when the value is needed (before the
+    optimizer step)."""
+    def partial(a: rules_mod.Assigned) -> bool:
+        return a.source == "default" and torch_compat.is_dtensor(a.tensor) and \
+            any(k == "P" for k, _ in torch_compat.placements(a.tensor))
+    if not any(partial(a) for a in plan.assigned):
+        return plan
+    plan.assigned = [dataclasses.replace(a, rule="local", source="default (Partial: left to sync_buffers)")
+                     if partial(a) else a for a in plan.assigned]
+    return plan
 
 
 def _shapes(tensors: list[torch.Tensor]) -> tuple[list[Any], list[Any], list[Any]]:
@@ -279,7 +314,7 @@ class KeepInSync:
         # what every rank holds now, by name: the "sum" buffers and BatchNorm statistics (start="installed" compares
         # them across ranks at the first sync)
         stats = {id(t) for bn in plan.bns for _, t in bn.entries()}
-        self._at_start = {a.name: a.tensor.detach().clone() for a in plan.assigned  # (a meta tensor holds nothing to
+        self._at_start = {a.name: _local(a.tensor).detach().clone() for a in plan.assigned  # (a meta tensor: nothing to
                           if start == "installed" and not a.tensor.is_meta  # share: it counts as not shared)
                           and (a.rule == "sum" or id(a.tensor) in stats)}
         self._undo: Callable[[], None]
@@ -303,7 +338,8 @@ class KeepInSync:
 
     def _resolve(self) -> rules_mod.Plan:
         rules, strict, bn_default = self._declared
-        return rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default, group=self.g)
+        return _partials_left(rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default,
+                                                group=self.g))
 
     def _tick(self) -> None:
         self._ticks += 1
@@ -361,8 +397,8 @@ class KeepInSync:
             _structure.refuse(g, e, deadline, _FN)
         first = self._last is None
         extra = _start_digest(steady, self._at_start if self._start == "installed" else None) if first else 0
-        votes = _structure.agree(g, steady.call, plan.synced(), deadline, _FN, extra=extra)
-        problem = _transaction.unsendable(g, plan.synced(), _FN)
+        votes = _structure.agree(g, steady.call, steady.entries, deadline, _FN, extra=extra)
+        problem = _transaction.unsendable(g, steady.entries, _FN)
         if problem is not None:
             raise problem
         steady.extras = [e for _, e in votes]
@@ -404,12 +440,12 @@ class KeepInSync:
         stats = {id(t) for bn in self.plan.bns for _, t in bn.entries()}
         steady = self._steady
         if steady is None:  # before the first sync: the first sync compares this across ranks
-            self._at_start = {a.name: a.tensor.detach().clone() for a in self.plan.assigned
+            self._at_start = {a.name: _local(a.tensor).detach().clone() for a in self.plan.assigned
                               if not a.tensor.is_meta and (a.rule == "sum" or id(a.tensor) in stats)}
             self._start = "installed"
             return
         for kind in steady.kinds:
-            if kind.sub is not None and not steady.source:
+            if kind.sub is not None and kind.group.me != kind.root:
                 for sub, part, writes in zip(kind.sub, kind.targets, kind.writes):
                     torch_compat.copy_all(_views(sub, part), writes)
         lay = steady.layout
@@ -502,7 +538,6 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
     (when it is not the agreed one, every rank raises after the check, having written nothing); ``failure``: this rank
     already knows it cannot take part (it votes so, and every rank raises)."""
     g = s.g
-    source = s.source
     width, combined, check = s.width, s.combined, s.check
     check.zero_()
     check[g.size + g.me] = float(announce != s.digest)
@@ -513,7 +548,7 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
             # this rank's side of [Note: the BatchNorm sums], behind the check's flags
             bn_average._pack(bns, g.device, lay=s.layout, out=combined[width:], repeated=s.repeated)
             for kind in s.kinds:
-                if kind.rule != "broadcast" or source:  # receivers take the broadcast buckets as they come
+                if kind.rule != "broadcast" or kind.group.me == kind.root:  # receivers take the broadcast buckets
                     for i in range(len(kind.flats)):
                         kind.pack(i)
         except BaseException as e:  # noqa: BLE001 - this rank's flag in the check: every rank raises
@@ -522,11 +557,11 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
     for kind in s.kinds:
         for flat in kind.flats:
             if kind.rule == "broadcast":
-                works.append(dist.broadcast(_wire.wire_view(flat), src=g.global_rank(s.src), group=g.pg,
-                                            async_op=True))
+                works.append(dist.broadcast(_wire.wire_view(flat), src=kind.group.global_rank(kind.root),
+                                            group=kind.group.pg, async_op=True))
             else:
-                works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule], group=g.pg,
-                                             async_op=True))
+                works.append(dist.all_reduce(_wire.wire_view(flat), op=rules_mod.REDUCE_OPS[kind.rule],
+                                             group=kind.group.pg, async_op=True))
     if failure is None:
         try:
             _transaction.reached(_transaction.Phase.EXCHANGE, _FN)
@@ -556,11 +591,11 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
         if merged is not None:
             bn_average.apply(merged)
         for kind in s.kinds:
-            if kind.rule == "broadcast" and source:
+            if kind.rule == "broadcast" and kind.group.me == kind.root:
                 continue
             for i, flat in enumerate(kind.flats):
                 if kind.rule == "mean":
-                    flat.div_(g.size)  # scratch: packed again at the next sync
+                    flat.div_(kind.group.size)  # scratch: packed again at the next sync
                 kind.unpack(i)
     if restore is not None:  # only where a hook can fail after the writes
         _transaction.run_after(g, hooks, deadline, f"{_FN}()", restore)
@@ -568,7 +603,7 @@ def _sync(s: _Steady, deadline: _wire.Deadline, announce: int, failure: BaseExce
         assert s.repeated is not None
         s.repeated.commit(merged)
     for kind in s.kinds:
-        if kind.sub is not None and not source:
+        if kind.sub is not None and kind.group.me != kind.root:
             for i, sub in enumerate(kind.sub):  # what every rank holds now, as written (a 16-bit sum was rounded
                 torch_compat.copy_all(_views(sub, kind.targets[i]), kind.writes[i])  # into its dtype): subtracted
                 # at the next sync, so a rounding is never counted as something a rank added
@@ -625,7 +660,7 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     g = _group.resolve(group, _FN)
     _group.check_src(g, src, _FN)
     strict = _args.flag(strict, "strict", _FN)
-    plan = rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default,
-                             group=group if g is None else g)
+    plan = _partials_left(rules_mod.resolve(module, rules, _FN, strict=strict, bn_default=_bn_default,
+                                            group=group if g is None else g))
     return KeepInSync(model_or_engine, module, plan, (rules, strict, _bn_default), g, src, every, seconds, engine,
                       _start, _identical_warning)

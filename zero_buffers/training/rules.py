@@ -24,7 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .._compat import torch as torch_compat
-from .._core import modules as _modules, notice as _notice, transaction as _transaction, wire as _wire
+from .._core import (
+    modules as _modules,
+    notice as _notice,
+    placement as _placement,
+    transaction as _transaction,
+    wire as _wire,
+)
 from .._core.group import Group
 from ..bn import average as bn_average, recompute as bn_recompute
 from ..errors import InvalidArgumentError
@@ -74,6 +80,7 @@ def register_rules(cls: type | str, rules: str | Mapping[str, str], *,
     fn = "register_rules"
     if not isinstance(cls, (type, str)):
         raise InvalidArgumentError(f"{fn}(): cls must be a module class or its 'module.QualName', got {cls!r}")
+    rules = normalise(rules, fn, f"the rules of {cls!r}")
     _check_value(rules, fn, f"the rules of {cls!r}")
     if after_sync is not None and not callable(after_sync):
         raise InvalidArgumentError(f"{fn}(): after_sync must be a callable (module) -> None, got {after_sync!r}")
@@ -86,6 +93,28 @@ def registered_in(module: nn.Module) -> bool:
         return False
     return any(k in _REGISTRY for m in module.modules() for c in type(m).__mro__
                for k in (c, f"{c.__module__}.{c.__qualname__}"))
+
+
+_PLACEMENT_RULES = {("R", None): "broadcast", ("P", "sum"): "sum", ("P", "avg"): "mean", ("P", "max"): "max",
+                    ("P", "min"): "min"}
+"""A placement named as a rule ([Note: placements]): ``Replicate()`` is ``"broadcast"``, ``Partial(op)`` the
+element-wise reduction of its op over the group (``"avg"`` is ``"mean"``)."""
+
+
+def normalise(value: Any, fn: str, what: str) -> Any:
+    """``value`` with every placement object replaced by its rule (InvalidArgumentError for ``Shard``, which says
+    nothing about a plain buffer's values); other values as they are."""
+    if isinstance(value, Mapping):
+        return {k: normalise(v, fn, f"{what}[{k!r}]") for k, v in value.items()}
+    found = torch_compat.placement_rule(value)
+    if found is None:
+        return value
+    if found not in _PLACEMENT_RULES:
+        raise InvalidArgumentError(
+            f"{fn}(): {what} names the placement {value!r}; rules may name Replicate() (\"broadcast\") and "
+            "Partial(sum / avg / max / min) (\"sum\" / \"mean\" / \"max\" / \"min\"); a sharded buffer is a DTensor "
+            "whose own placements say so")
+    return _PLACEMENT_RULES[found]
 
 
 def _check_value(value: Any, fn: str, what: str) -> None:
@@ -175,6 +204,7 @@ def parse(rules: Rules | None, fn: str) -> tuple[dict[str, str], dict[Any, Any]]
     patterns: dict[str, str] = {}
     classes: dict[Any, Any] = {}
     for k, v in rules.items():
+        v = normalise(v, fn, f"rule {k!r}")
         if isinstance(k, str):
             _check_value(v, fn, f"pattern {k!r}")
             if not isinstance(v, str):
@@ -264,6 +294,13 @@ def _check_rule(name: str, t: torch.Tensor, rule: str, bn_stat: bool, source: st
         why = "'sum' of bool flags is not a bool: use 'max' (any rank) or 'min' (every rank)"
     elif rule in ("max", "min") and t.is_complex():
         why = f"'{rule}' of complex values is not defined"
+    if why is None and torch_compat.is_dtensor(t) and rule != "local":
+        roles = torch_compat.placements(t)
+        if rule == "bn":
+            why = "'bn' of DTensor statistics is not implemented: keep BatchNorm statistics plain tensors"
+        elif any(k == "P" for k, _ in roles) and rule != "broadcast":
+            why = (f"a Partial DTensor is reduced by its own op ({roles}); only its default ('broadcast', i.e. "
+                   "Replicate() once reduced) or 'local' apply to it")
     if why is not None:
         raise InvalidArgumentError(f"{fn}(): buffer '{name}' ({str(t.dtype).removeprefix('torch.')}) has rule "
                                    f"{rule!r} ({source}): {why}. No buffer was modified")
@@ -280,53 +317,79 @@ def apply(g: Group, plan: Plan, src: int, deadline: _wire.Deadline, fn: str, *, 
           sums: Any = None) -> int:
     """One transaction for every rule: structure (names, rules, dtypes, shapes) agreed, every kind exchanged into
     scratch, written only once every rank received everything; ``after_sync`` hooks then run. ``sums``: recomputed
-    BatchNorm sums (the "recompute" policy) to write for the ``"bn"`` layers instead of merging."""
+    BatchNorm sums (the "recompute" policy) to write for the ``"bn"`` layers instead of merging. Over a mesh
+    ([Note: placements]) each kind runs per class of replicated dimensions, in its own group, and Partial DTensors
+    are reduced by their own op first."""
     entries = plan.synced()
-    broadcast = [a.tensor for a in plan.of("broadcast")]
-    buckets = _wire.plan(broadcast)
-    source = g.me == src
-    tensors = {rule: [a.tensor for a in plan.of(rule)] for rule in REDUCE_OPS}
-    reduced = {rule: _wire.plan(ts) for rule, ts in tensors.items()}
+    placed = _placement.placed(g, entries, deadline, fn)
+    local = {id(t): t for _, t in entries}  # a DTensor's entry -> its local tensor
+    if placed is not None:
+        g = placed.g
+        local = {id(t): lt for (_, t), (_, lt) in zip(entries, placed.entries)}
+        call = (*call, "placements", placed.signature)
+    partials = _placement.Partials(placed, src) if placed is not None else None
+    skip = {id(entries[i][1]) for i in partials.indices} if partials is not None else set()
+    index = {id(t): i for i, (_, t) in enumerate(entries)}
+
+    def by_class(rule: str) -> list[tuple[Group, list[torch.Tensor]]]:
+        ids = [index[id(a.tensor)] for a in plan.of(rule) if id(a.tensor) not in skip]
+        if placed is None:
+            return [(g, [entries[i][1] for i in ids])] if ids else []
+        return [(sub, [local[id(entries[i][1])] for i in idx]) for sub, idx in placed.classes(ids) if sub is not None]
+
+    sends = [(sub, ts, _placement.source_in(g, sub, src)) for sub, ts in by_class("broadcast")]
+    sends_planned = [(sub, ts, s, _wire.plan(ts)) for sub, ts, s in sends]
+    kinds = [(rule, sub, ts, _wire.plan(ts)) for rule in REDUCE_OPS for sub, ts in by_class(rule)]
 
     def prepare() -> Any:
-        space = _wire.send_space(broadcast, buckets) if source else _wire.receive_space(buckets)
-        flats = {rule: [_flat(rule, [tensors[rule][i] for i in b.indices], g.device) for b in bs]
-                 for rule, bs in reduced.items()}
+        if partials is not None:
+            partials.prepare()
+        spaces = [_wire.send_space(ts, bs) if sub.me == s else _wire.receive_space(bs)
+                  for sub, ts, s, bs in sends_planned]
+        flats = [[_flat(rule, [ts[i] for i in b.indices], sub.device) for b in bs] for rule, sub, ts, bs in kinds]
         pack = bn_average._pack(plan.bns, g.device) if plan.bns and sums is None else None
-        return space, flats, pack
+        return spaces, flats, pack
 
     def exchange(prepared: Any) -> None:
-        space, flats, pack = prepared
+        spaces, flats, pack = prepared
         if pack is not None:
             _wire.all_reduce(g, pack, deadline, fn)
-        for rule, parts in flats.items():
+        if partials is not None:
+            partials.exchange(deadline, fn)
+        for (rule, sub, _, _), parts in zip(kinds, flats):
             for flat in parts:
-                _wire.all_reduce(g, flat, deadline, fn, op=REDUCE_OPS[rule])
-        _wire.broadcast(g, broadcast, buckets, src, space, deadline, fn)
+                _wire.all_reduce(sub, flat, deadline, fn, op=REDUCE_OPS[rule])
+        for (sub, ts, s, bs), space in zip(sends_planned, spaces):
+            _wire.broadcast(sub, ts, bs, s, space, deadline, fn)
 
     ready: list[Callable[[], Any]] = []  # the copies, prepared by compute()
 
     def compute(prepared: Any) -> None:
-        space, flats, pack = prepared
+        spaces, flats, pack = prepared
         if pack is not None:
             merged = bn_average.merge(plan.bns, pack)
             ready.append(lambda: bn_average.apply(merged))
         elif sums is not None:
             recomputed = bn_recompute.compute(*sums)
             ready.append(lambda: bn_recompute.apply(recomputed))
-        for rule, parts in flats.items():
-            for b, flat in zip(reduced[rule], parts):
-                ts = [tensors[rule][i] for i in b.indices]
-                value = (flat / g.size if rule == "mean" else flat).to(ts[0].device, ts[0].dtype)
-                ready.append(functools.partial(torch_compat.unflatten_into, value, ts))
-        if not source:
-            ready.append(lambda: _wire.write(broadcast, buckets, space))
+        for (rule, sub, ts, bs), parts in zip(kinds, flats):
+            for b, flat in zip(bs, parts):
+                part = [ts[i] for i in b.indices]
+                value = (flat / sub.size if rule == "mean" else flat).to(part[0].device, part[0].dtype)
+                ready.append(functools.partial(torch_compat.unflatten_into, value, part))
+        for (sub, ts, s, bs), space in zip(sends_planned, spaces):
+            if sub.me != s:
+                ready.append(functools.partial(_wire.write, ts, bs, space))
+        if partials is not None:
+            ready.append(partials.apply)
 
     def write(_: Any) -> None:
         for copy in ready:
             copy()
 
+    moved = placed.entries if placed is not None else entries
     # [Note: the transaction]: the hooks run in AFTER, where a failure on any rank puts every rank's buffers back
-    _transaction.commit(g, ("rules", src, plan.signature, *call), entries, deadline, fn, prepare=prepare,
-                        exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked())
+    _transaction.commit(g, ("rules", src, plan.signature, *call), moved, deadline, fn, prepare=prepare,
+                        exchange=exchange, compute=compute, apply=write, after=plan.hooks(), keep=plan.hooked(),
+                        undo=partials.relabel_back if partials is not None else None)
     return len(entries)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._compat import accelerate as acc_compat, deepspeed as ds_compat
+from .._compat import accelerate as acc_compat, deepspeed as ds_compat, torch as torch_compat
 from .._core import (
     args as _args,
     group as _group,
@@ -88,8 +88,10 @@ def sync_buffers(model: nn.Module, policy: Policy | None = None, *, rules: rules
     _group.check_src(g, src, fn)  # before any collective, whatever the policy
     inner = _modules.unwrap(model, fn)
     plan = None
-    if rules is None and policy in ("broadcast", "average", "recompute") and rules_mod.registered_in(inner):
-        rules = {}  # classes with registered rules: the policy is the preset, their rules apply
+    if rules is None and policy in ("broadcast", "average", "recompute") and (
+            rules_mod.registered_in(inner) or (g is not None and g.mesh is not None)
+            or any(torch_compat.is_dtensor(b) for b in inner.buffers())):
+        rules = {}  # registered rules, a mesh or DTensor buffers: the policy is the preset, [Note: placements] apply
     strict = _args.flag(strict, "strict", fn)
     deadline = _wire.Deadline(seconds)
     if rules is not None:  # the rules checked before any collective, with or without a process group
