@@ -18,6 +18,7 @@ CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermedi
               num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
               qk_nope_head_dim=8, v_head_dim=8, initializer_range=0.5)
 STEPS, GAMMA, LR, SEQ = 4, 0.01, 0.05, 8
+_EVAL = True
 GATES = ("model.layers.0.mlp.gate", "model.layers.1.mlp.gate")
 
 
@@ -82,8 +83,11 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
     if checkpointing is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     if kind == "zero3":
+        # ranks route to different experts: DeepSpeed's documented recipe for MoE blocks under ZeRO-3 (gather the
+        # block's parameters as one leaf, else each rank's trace visits other modules)
+        deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
         config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
-                  "zero_allow_untested_optimizer": True}
+                  "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
         engine, *_ = deepspeed.initialize(model=model, config=config,
                                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))
         handle = zb.router_bias(engine, gamma=GAMMA, rule=rule)
@@ -109,10 +113,11 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
     for s in range(STEPS):
         before = ({n: b.clone() for n, b in handle.counts().items()},
                   {n: _bias(module, n).clone() for n in GATES})
-        module.eval()
-        with torch.no_grad():
-            module(input_ids=_batch(rank, 1000 + s))
-        module.train()
+        if _EVAL:
+            module.eval()
+            with torch.no_grad():
+                module(input_ids=_batch(rank, 1000 + s))
+            module.train()
         eval_changed.append(any(not torch.equal(before[0][n], c) for n, c in handle.counts().items()) or
                             any(not torch.equal(before[1][n], _bias(module, n)) for n in GATES))
         step(_batch(rank, s))
