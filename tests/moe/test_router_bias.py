@@ -46,9 +46,13 @@ def _bias(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def reference(world: int, rule: str = "sign") -> dict:
-    """Single process, float64: the model on every rank's batch at once, plain SGD on the global mean loss, the
+    """Single process, float64 (transformers 4.x: float32): the model on every rank's batch at once, plain SGD on the global mean loss, the
     update from the global counts."""
-    model = _model().double()
+    import transformers
+
+    # transformers 4.x's DeepSeek-V3 MoE routes in fp32 and index_adds into an fp32 buffer: it cannot run in float64
+    dtype = torch.float64 if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+    model = _model().to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     counts = {n: torch.zeros(8, dtype=torch.int64) for n in GATES}
     def count(name: str, out: tuple) -> None:  # the integer output: (logits, weights, indices) or (indices, weights)
@@ -68,7 +72,7 @@ def reference(world: int, rule: str = "sign") -> dict:
                 load = counts[n].double()
                 mean = load.mean()
                 d = torch.sign(mean - load) if rule == "sign" else (mean - load) / mean
-                _bias(model, n).add_(GAMMA * d)
+                _bias(model, n).copy_(_bias(model, n).double() + GAMMA * d)
                 counts[n].zero_()
     return {"bias": {n: _bias(model, n).clone() for n in GATES}, "loads": loads}
 

@@ -112,7 +112,10 @@ def train_step(m: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, worl
 
 def reference(world: int) -> tuple[Loads, list[torch.Tensor]]:
     """One process, float64, every rank's batch at once; the update from the global counts."""
-    m = model(torch.float64)
+    import transformers
+
+    # transformers 4.x's DeepSeek-V3 MoE routes in fp32 and index_adds into an fp32 buffer: float32 there
+    m = model(torch.float64 if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32)
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     loads = Loads(m)
     for step in range(STEPS):
@@ -123,7 +126,8 @@ def reference(world: int) -> tuple[Loads, list[torch.Tensor]]:
         with torch.no_grad():
             for gate, load in zip(gates(m), loads.now):
                 mean = load.double().mean()
-                gate.e_score_correction_bias += GAMMA * torch.sign(mean - load.double())
+                bias = gate.e_score_correction_bias
+                bias.copy_(bias.double() + GAMMA * torch.sign(mean - load.double()))
         loads.close_step(reduce=False)
     return loads, [g.e_score_correction_bias.detach().clone() for g in gates(m)]
 
