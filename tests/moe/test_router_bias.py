@@ -46,8 +46,8 @@ def _bias(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def reference(world: int, rule: str = "sign") -> dict:
-    """Single process, float64 (transformers 4.x: float32): the model on every rank's batch at once, plain SGD on the global mean loss, the
-    update from the global counts."""
+    """Single process, float64 (transformers 4.x: float32): the model on every rank's batch at once, plain SGD on
+    the global mean loss, the update from the global counts."""
     import transformers
 
     # transformers 4.x's DeepSeek-V3 MoE routes in fp32 and index_adds into an fp32 buffer: it cannot run in float64

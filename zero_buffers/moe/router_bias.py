@@ -159,20 +159,20 @@ class RouterBias:
 
 
 def _count(gate: _Gate, module: nn.Module, inputs: tuple, output: Any) -> None:
-    """The forward hook: add the top-k indices of a train-mode forward that is not a recompute ([Note: counted once])."""
+    """The forward hook: add the top-k indices of a train-mode forward that is no recompute ([Note: counted once])."""
     if not module.training or torch_compat.in_backward():
         return
     indices = gate.adapter.indices(module, inputs, output)
     with torch.no_grad():
-        flat = indices.detach().reshape(-1)
-        experts = gate.counts.numel()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= experts):
-            raise InvalidArgumentError(f"{_FN}(): gate '{gate.name}' ({type(module).__name__}) routed to expert "
-                                       f"{int(flat.max()) if int(flat.max()) >= experts else int(flat.min())}, "
-                                       f"outside its {experts} bias entries ({gate.adapter.label})")
+        flat = indices.detach().reshape(-1).to(torch.int64)
         if gate.counts.device != flat.device:
             gate.counts = gate.counts.to(flat.device)
-        gate.counts += torch.bincount(flat.to(torch.int64), minlength=experts)
+        try:  # scatter_add_: no host sync (bincount's output size would need one on a GPU)
+            gate.counts.scatter_add_(0, flat, torch.ones_like(flat))
+        except (RuntimeError, IndexError) as e:
+            raise InvalidArgumentError(f"{_FN}(): gate '{gate.name}' ({type(module).__name__}) routed to an expert "
+                                       f"outside its {gate.counts.numel()} bias entries ({gate.adapter.label}): "
+                                       f"{e}") from e
 
 
 def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign", every: int = 1,

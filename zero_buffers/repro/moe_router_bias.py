@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_buffers as zb
+from zero_buffers._compat.torch import in_backward
 
 # Wall seconds under torchrun --nproc-per-node=2 on an idle 2-core machine, about 1.5x measured (the CLI's timeout).
 BUDGET_SECONDS = {"quick": 20, "full": 45}
@@ -65,7 +66,7 @@ class Loads:
             gate.register_forward_hook(lambda mod, a, out, i=i: self._add(i, out))
 
     def _add(self, i: int, out: tuple) -> None:
-        if not torch._C._current_graph_task_id() == -1:  # a checkpoint's recompute: the routing was seen already
+        if in_backward():  # a checkpoint's recompute: this routing was seen already
             return
         ids, = [t for t in out if not t.is_floating_point()]
         self.now[i] += torch.bincount(ids.reshape(-1), minlength=EXPERTS)
