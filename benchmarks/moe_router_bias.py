@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import zero_buffers as zb
-from harness import machine, md_table, pyplot, run_world, timed_together, utc_now, write_json
+from harness import machine, md_table, pyplot, run_world, timed_together, utc_now, write_results
 from zero_buffers.moe.router_bias import _count
 
 
@@ -147,13 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - started, 1)}
     data = {"meta": meta, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "results.json", data)
-    md = markdown(data)
-    (args.out / "results.md").write_text(md)
-    plotted = plot(data, args.out / "moe_router_bias.png")
-    print(md)
-    print(f"wrote {args.out / 'results.json'}, results.md{', moe_router_bias.png' if plotted else ''} in "
-          f"{meta['seconds']} s")
+    write_results(args.out, data, markdown(data), lambda path: plot(data, path), "moe_router_bias.png")
     return 0
 
 

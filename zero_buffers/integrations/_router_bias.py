@@ -6,7 +6,7 @@ from typing import Any
 
 from .._core import args as _args
 from ..errors import InvalidArgumentError
-from ..moe.router_bias import RULES, RouterBias, router_bias
+from ..moe.router_bias import RouterBias, check, router_bias
 
 
 class RouterBiasSteps:
@@ -16,15 +16,8 @@ class RouterBiasSteps:
 
     def __init__(self, *, gamma: float = 1e-3, rule: str = "sign", every: int = 1, src: int = 0, group: Any = None,
                  timeout: _args.Timeout = None):
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
-            raise InvalidArgumentError(f"{self.NAME}: gamma must be a number > 0, got {gamma!r}")
-        if rule not in RULES:
-            raise InvalidArgumentError(f"{self.NAME}: rule must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise InvalidArgumentError(f"{self.NAME}: every must be an int >= 1, got {every!r}")
-        _args.timeout(timeout, self.NAME)
-        self.options = dict(gamma=gamma, rule=rule, every=every, src=_args.rank(src, "src", self.NAME), group=group,
-                            timeout=timeout)
+        check(self.NAME, gamma, rule, every, src, timeout)
+        self.options = dict(gamma=gamma, rule=rule, every=every, src=src, group=group, timeout=timeout)
         self.handle: RouterBias | None = None
         self.stepped_at: int | None = None
 

@@ -91,12 +91,11 @@ class RouterBias:
         self.updates = 0
         self.last_load: dict[str, torch.Tensor] = {}
         self._steps = 0
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = [self._unmark]  # run last to first by remove()
         for gate in found:
             handle = gate.module.register_forward_hook(functools.partial(_count, gate))
             self._undo.append(handle.remove)
         module.__dict__[_MARK] = self
-        self._installed = True
 
     def counts(self) -> dict[str, torch.Tensor]:
         """This rank's tokens per expert since the last update, by gate name (copies)."""
@@ -142,14 +141,14 @@ class RouterBias:
                     bias.copy_(value)
         self.updates += 1
 
+    def _unmark(self) -> None:
+        if self.module.__dict__.get(_MARK) is self:
+            del self.module.__dict__[_MARK]
+
     def remove(self) -> None:
         """Stop counting and updating (idempotent)."""
-        if self._installed:
-            for undo in reversed(self._undo):
-                undo()
-            if self.module.__dict__.get(_MARK) is self:
-                del self.module.__dict__[_MARK]
-            self._installed = False
+        while self._undo:
+            self._undo.pop()()
 
     def __enter__(self) -> RouterBias:
         return self
@@ -175,6 +174,15 @@ def _count(gate: _Gate, module: nn.Module, inputs: tuple, output: Any) -> None:
                                        f"{e}") from e
 
 
+def check(fn: str, gamma: Any, rule: Any, every: Any, src: Any, timeout: Any) -> tuple[float, int, int, float | None]:
+    """The update's options checked (InvalidArgumentError naming ``fn``): (gamma, every, src, timeout seconds)."""
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < float("inf"):
+        raise InvalidArgumentError(f"{fn}(): gamma must be a finite number > 0, got {gamma!r}")
+    if rule not in RULES:
+        raise InvalidArgumentError(f"{fn}(): rule must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
+    return float(gamma), _args.every(every, fn), _args.rank(src, "src", fn), _args.timeout(timeout, fn)
+
+
 def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign", every: int = 1,
                 optimizer: Any = None, src: int = 0, group: Any = None, timeout: _args.Timeout = None) -> RouterBias:
     """Update every MoE router bias of ``model_or_engine`` from the expert load of the global batch; returns a
@@ -195,14 +203,7 @@ def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign
             for batch in loader:
                 engine.backward(engine(**batch).loss); engine.step()   # biases updated, equal on every rank
     """
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0 or gamma == float("inf"):
-        raise InvalidArgumentError(f"{_FN}(): gamma must be a finite number > 0, got {gamma!r}")
-    if rule not in RULES:
-        raise InvalidArgumentError(f"{_FN}(): rule must be one of {', '.join(map(repr, RULES))}, got {rule!r}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise InvalidArgumentError(f"{_FN}(): every must be an int >= 1, got {every!r}")
-    src = _args.rank(src, "src", _FN)
-    seconds = _args.timeout(timeout, _FN)
+    gamma, every, src, seconds = check(_FN, gamma, rule, every, src, timeout)
     engine = ds_compat.is_engine(model_or_engine)
     if engine:
         if optimizer is not None:
@@ -238,37 +239,10 @@ def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign
         _notice.warn(f"{_FN}(): {len(narrow)} router bias buffer(s) are held in 16 bits ({narrow[0]}, ...): the handle "
                      "updates an fp32 copy and rounds it into them; zero_buffers.keep_precision(model) keeps them "
                      "fp32", once=f"{_FN}:narrow", group=g.pg if g is not None else None)
-    handle = RouterBias(module, found, g, gamma=float(gamma), rule=rule, every=every, src=src, seconds=seconds)
+    handle = RouterBias(module, found, g, gamma=gamma, rule=rule, every=every, src=src, seconds=seconds)
     if engine:
-        _wrap_engine_step(handle, model_or_engine)
+        handle._undo.append(ds_compat.after_optimizer_steps(model_or_engine, handle.step))
     elif optimizer is not None:
         hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: handle.step())
         handle._undo.append(hook.remove)
     return handle
-
-
-def _wrap_engine_step(handle: RouterBias, engine: Any) -> None:
-    """``engine.step`` wrapped: a step at a gradient-accumulation boundary is an optimizer step. Wraps whatever
-    ``step`` is now (keep_in_sync's wrapper included); ``remove()`` puts it back only while ours is outermost."""
-    original = engine.step
-    had = "step" in vars(engine)
-
-    @functools.wraps(original)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        boundary = bool(engine.is_gradient_accumulation_boundary())
-        out = original(*args, **kwargs)
-        if boundary:
-            handle.step()
-        return out
-
-    object.__setattr__(engine, "step", step)
-
-    def undo() -> None:
-        if vars(engine).get("step") is not step:
-            raise InvalidArgumentError(f"{_FN}(): engine.step was wrapped again after router_bias(); remove that "
-                                       "wrapper first")
-        if had:
-            object.__setattr__(engine, "step", original)
-        else:
-            object.__delattr__(engine, "step")
-    handle._undo.append(undo)
