@@ -116,7 +116,7 @@ def plot(data: dict, path: Path) -> bool:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return False
     runs = data["runs"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.25
     width = 0.2
     for i, key in enumerate(("plain_step", "step_with_router_bias", "count_alone", "update_alone")):
@@ -126,7 +126,7 @@ def plot(data: dict, path: Path) -> bool:
     ax.set_yscale("log")
     ax.set_ylabel("ms (median, slowest rank; log)")
     ax.set_title("router_bias against an FSDP2 DeepSeek-V3 step (gloo, CPU)")
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True

@@ -5,6 +5,8 @@ Lightning builds a checkpoint on every rank (``Trainer.save_checkpoint`` -> ``du
 (rank 0). This callback syncs there, on every rank, and puts the synced buffers into the checkpoint's
 ``state_dict``; also at the end of training and, with ``every_step=True``, after every training batch. Lightning's
 own ``sync_batchnorm`` converts layers to SyncBatchNorm (DDP only; its DeepSpeed strategy ignores it).
+``RouterBiasCallback`` runs :func:`zero_buffers.router_bias` from ``on_train_start`` to ``on_train_end``, one update
+per optimizer step (the first ``on_train_batch_end`` of each new ``global_step``).
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ training unless the last step was just synced (so a ``trainer.save_model()`` aft
 with ``every_step=True``, after every optimizer step. Repeated syncs go through :func:`keep_in_sync`'s arithmetic:
 counters and "sum" buffers never compound. On the DeepSpeed ZeRO-3 path each rank writes
 its own ``zero_pp_rank_*_model_states.pt`` with its own buffers: after the sync they are equal.
+``RouterBiasCallback`` runs :func:`zero_buffers.router_bias` from ``on_train_begin`` to ``on_train_end``, one update
+per optimizer step (``on_step_end``).
 """
 from __future__ import annotations
 
