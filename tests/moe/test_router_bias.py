@@ -254,3 +254,36 @@ def test_a_bf16_bias_is_updated_from_an_fp32_copy_and_the_model_still_generates_
     assert pickle.loads(pickle.dumps(model)).dtype == torch.bfloat16
     handle.remove()
     assert dist.is_available()
+
+
+def _engine_with_keep_in_sync(rank, world):
+    from tests.helpers import init_deepspeed
+    deepspeed = init_deepspeed()
+    model = _model()
+    deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True, "gradient_accumulation_steps": 2}
+    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    kept = zb.keep_in_sync(engine)
+    handle = zb.router_bias(engine, gamma=GAMMA)  # wraps keep_in_sync's engine.step in turn
+    for s in range(4):  # 4 micro-batches, 2 optimizer steps
+        ids = _batch(rank, s)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    try:
+        kept.remove()  # not the outermost wrapper: refused, nothing removed
+        refused = False
+    except zb.InvalidArgumentError:
+        refused = True
+    handle.remove()
+    kept.remove()
+    return {"syncs": kept.syncs, "updates": handle.updates, "refused": refused, "restored": "step" not in vars(engine),
+            "load": int(handle.last_load[GATES[0]].sum())}
+
+
+@pytest.mark.stack
+def test_router_bias_and_keep_in_sync_on_one_engine_each_run_once_per_optimizer_step(ranks2):
+    out = ranks2.run(_engine_with_keep_in_sync, timeout=300)
+    for o in out:
+        assert o == {"syncs": 2, "updates": 2, "refused": True, "restored": True,
+                     "load": 2 * 2 * 2 * SEQ * 2}, o  # ranks x micro-batches x batch x tokens x top-2
