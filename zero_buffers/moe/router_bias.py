@@ -11,14 +11,14 @@ A gate's tokens count in its forward hook when, and only when, the gate is in tr
 run inside the autograd engine's backward (``_compat/torch.py``: ``in_backward``). Activation checkpointing runs the
 forward again during backward to rebuild what it freed: torch's reentrant checkpoint from
 ``CheckpointFunction.backward``, the non-reentrant one from the saved-tensor unpack hook, and transformers'
-``gradient_checkpointing_enable()`` through either; DeepSpeed's activation checkpointing is the reentrant kind. Every
-one of those recomputes inside the backward, so none counts, while the first forward counts whether it ran with
-grad (non-reentrant) or under ``no_grad`` (reentrant). So each micro-batch counts once with and without
-checkpointing, and an eval-mode forward (validation, ``generate()`` after ``model.eval()``) counts nothing. A
-train-mode forward outside any backward counts even under ``no_grad`` (the reentrant checkpoint's first forward is
-one): switch to ``eval()`` for forwards that must not count. Other projects: torchtitan counts in the MoE forward,
-halves the counts when full recompute is on and skips eval forwards; counting at backward time instead would miss a
-gate whose output gets no gradient.
+``gradient_checkpointing_enable()`` through either (DeepSpeed's ``deepspeed.checkpointing.checkpoint`` is an
+autograd Function that recomputes in its backward too; not tested here). Every one recomputes inside the backward,
+so none counts, while the first forward counts whether it ran with grad (non-reentrant) or under ``no_grad``
+(reentrant). So each micro-batch counts once with and without checkpointing, and an eval-mode forward (validation,
+``generate()`` after ``model.eval()``) counts nothing. A train-mode forward outside any backward counts even under
+``no_grad`` (the reentrant checkpoint's first forward is one): switch to ``eval()`` for forwards that must not
+count. Other projects: torchtitan counts in the MoE forward, halves the counts when full recompute is on and skips
+eval forwards; counting at backward time instead would miss a gate whose output gets no gradient.
 
 The counts of every gate go over the group in one transaction ([Note: the transaction], ``_core/transaction.py``):
 one int64 ``"sum"`` all-reduce for all gates (``training/rules.py``: ``apply``), with the structure agreed first and
