@@ -177,6 +177,16 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def write_results(out: Path, data: dict, md: str, plot: Callable[[Path], bool], png: str) -> None:
+    """``results.json``, ``results.md`` and the plot ``png`` (drawn by ``plot(path)``, False without matplotlib)
+    into ``out``; prints the Markdown and what was written."""
+    write_json(out / "results.json", data)
+    (out / "results.md").write_text(md)
+    plotted = plot(out / png)
+    print(md)
+    print(f"\nwrote {out / 'results.json'}, results.md{', ' + png if plotted else ''} in {data['meta']['seconds']} s")
+
+
 def md_table(keys: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table's lines: the header ``keys``, the separator, then one line of cells per row."""
     return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys), *("| " + " | ".join(r) + " |" for r in rows)]

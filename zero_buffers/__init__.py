@@ -23,6 +23,8 @@ from .errors import (
     ZeroBuffersError,
     ZeroBuffersWarning,
 )
+from .moe.gates import register_gate
+from .moe.router_bias import RouterBias, router_bias
 from .precision.keep import Kept, keep_precision
 from .report import BufferReport, BufferRow, assert_buffers_in_sync, buffer_report
 from .training.keep_in_sync import KeepInSync, keep_in_sync
@@ -52,6 +54,7 @@ __all__ = [
     "Kept",
     "RecomputeError",
     "RepairResult",
+    "RouterBias",
     "SaveHook",
     "SyncAbortedError",
     "UnsupportedDeviceError",
@@ -72,8 +75,10 @@ __all__ = [
     "no_zero_init",
     "recompute_bn_stats",
     "recover_checkpoint",
+    "register_gate",
     "register_rules",
     "repair_checkpoint",
+    "router_bias",
     "sync_buffers",
     "sync_buffers_on_save",
     "uninstall",

@@ -100,3 +100,16 @@ def test_quick_bn_precision_benchmark_shows_bf16_statistics_stagnating_and_chang
         assert bf16["codes_differ_pct"] > 5 and fp32["codes_differ_pct"] < 1, (bf16, fp32)
     assert "quick mode" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "bn_precision.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_moe_router_bias_benchmark_times_the_step_with_and_without_the_recipe_and_writes_its_outputs(tmp_path):
+    out = run_cmd([sys.executable, str(ROOT / "benchmarks" / "moe_router_bias.py"), "--quick", "--out",
+                   str(tmp_path)], timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["quick"] is True and [r["world"] for r in data["runs"]] == [2]
+    row, = data["runs"][0]["results"]["moe_router_bias"]
+    assert all(row[k] > 0 for k in ("plain_step", "step_with_router_bias", "update_alone"))
+    assert {"measured_overhead_pct", "recipe_share_pct"} <= row.keys() and row["count_alone"] > 0
+    assert "quick mode" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "moe_router_bias.png").read_bytes()[:4] == b"\x89PNG"

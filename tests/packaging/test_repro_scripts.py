@@ -297,3 +297,11 @@ def test_zb_verbose_keeps_other_libraries_noise():
     noise = "\n".join(_noise(out))
     assert "FutureWarning" in noise and "%|" in noise, noise
     assert noise.count("Setting accelerator to CPU") == (0 if torch.cuda.is_available() else 2), noise
+
+
+def test_moe_router_bias_repro_shows_no_update_diverged_biases_doubled_counts_and_the_exact_fix():
+    out = _cli("repro", "moe_router_bias", "--nproc", "2")
+    _shows_one_table(out, "moe_router_bias")
+    rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX", "REF"))]
+    assert [r[:3] for r in rows] == ["BUG", "BUG", "BUG", "FIX", "REF"]
+    assert all(r.rstrip().endswith("yes") for r in rows[:4])

@@ -9,6 +9,7 @@ overlapping nested contexts) exist from 0.19.4 on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -175,6 +176,36 @@ def engine_module(engine: Any) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise missing("deepspeed", f"{type(engine).__name__}.module (the wrapped model)")
     return module
+
+
+def after_optimizer_steps(engine: Any, callback: Callable[[], Any]) -> Callable[[], None]:
+    """Wrap ``engine.step`` (whatever it is now, another wrapper included) so that ``callback()`` runs after every
+    step at a gradient-accumulation boundary (an optimizer step); returns the undo, which puts the former ``step``
+    back and raises InvalidArgumentError while a later wrapper still calls this one."""
+    from ..errors import InvalidArgumentError
+
+    original = engine.step
+    had = "step" in vars(engine)
+
+    @functools.wraps(original)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = bool(engine.is_gradient_accumulation_boundary())
+        out = original(*args, **kwargs)
+        if boundary:
+            callback()
+        return out
+
+    object.__setattr__(engine, "step", step)
+
+    def undo() -> None:
+        if vars(engine).get("step") is not step:
+            raise InvalidArgumentError("engine.step was wrapped again after this hook (another zero_buffers handle?); "
+                                       "remove that one first")
+        if had:
+            object.__setattr__(engine, "step", original)
+        else:
+            object.__delattr__(engine, "step")
+    return undo
 
 
 def is_engine(obj: Any) -> bool:

@@ -1,6 +1,6 @@
 """Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
 FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh, and
-the frame of a ``Module.parameters()`` generator (which module it walks)."""
+the frame of a ``Module.parameters()`` generator (which module it walks), whether a backward is running."""
 from __future__ import annotations
 
 import builtins
@@ -461,6 +461,17 @@ def mesh_layout(mesh: Any) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int,
 def mesh_dim_group(mesh: Any, dim: int) -> Any:
     """The process group of this rank's line along mesh dimension ``dim`` (members ordered by coordinate)."""
     return mesh.get_group(dim)
+
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside the autograd engine's backward pass: where activation checkpointing recomputes
+    forwards (reentrant: ``CheckpointFunction.backward``; non-reentrant: the saved-tensor unpack hook). Uses
+    ``torch._C._current_graph_task_id()`` (-1 outside a backward)."""
+    if _GRAPH_TASK_ID is None:
+        raise missing("torch", "torch._C._current_graph_task_id (telling a checkpoint's recompute from a forward)")
+    return bool(_GRAPH_TASK_ID() != -1)
 
 
 @contextlib.contextmanager

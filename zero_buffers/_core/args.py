@@ -125,6 +125,13 @@ def flag(value: Any, name: str, fn: str) -> bool:
     return value
 
 
+def every(value: Any, fn: str) -> int:
+    """A period in steps (``every=``): an int >= 1, else InvalidArgumentError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{fn}(): every must be an int >= 1, got {value!r}")
+    return value
+
+
 def progress(value: Any, fn: str) -> bool:
     """Whether to draw a progress bar: ``value`` when a bool; None (every function's default) draws one only when
     stderr is a terminal, so logs get no carriage returns."""

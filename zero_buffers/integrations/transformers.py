@@ -9,6 +9,8 @@ training unless the last step was just synced (so a ``trainer.save_model()`` aft
 with ``every_step=True``, after every optimizer step. Repeated syncs go through :func:`keep_in_sync`'s arithmetic:
 counters and "sum" buffers never compound. On the DeepSpeed ZeRO-3 path each rank writes
 its own ``zero_pp_rank_*_model_states.pt`` with its own buffers: after the sync they are equal.
+``RouterBiasCallback`` runs :func:`zero_buffers.router_bias` from ``on_train_begin`` to ``on_train_end``, one update
+per optimizer step (``on_step_end``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..errors import InvalidArgumentError
+from ._router_bias import RouterBiasSteps
 from ._sync import SyncCallback
 
 
@@ -55,3 +58,24 @@ class BufferSyncCallback(SyncCallback, TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.options.due(state.global_step):  # nothing trained since the last sync: no second one
             self._sync(model, state.global_step)
+
+
+class RouterBiasCallback(RouterBiasSteps, TrainerCallback):
+    """Update the model's MoE router biases from the global expert load after every ``every``-th optimizer step, as
+    :func:`zero_buffers.router_bias` (same arguments but ``optimizer``): the handle is made at ``on_train_begin``,
+    stepped at ``on_step_end`` (once per optimizer step, after gradient accumulation) and removed at
+    ``on_train_end``. Every rank runs the Trainer's callbacks, so every rank updates alike.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=ds, callbacks=[RouterBiasCallback(gamma=1e-3)])
+    """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.begin(model)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.after_step(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.end()

@@ -39,7 +39,6 @@ rank's whole value counts (for ``"bn"``: exactly :func:`average_bn_stats`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -319,17 +318,7 @@ class KeepInSync:
                           and (a.rule == "sum" or id(a.tensor) in stats)}
         self._undo: Callable[[], None]
         if engine:
-            original = target.step
-
-            @functools.wraps(original)
-            def step(*args: Any, **kwargs: Any) -> Any:
-                boundary = bool(target.is_gradient_accumulation_boundary())
-                out = original(*args, **kwargs)
-                if boundary:
-                    self._tick()
-                return out
-            object.__setattr__(target, "step", step)
-            self._undo = lambda: object.__delattr__(target, "step")
+            self._undo = ds_compat.after_optimizer_steps(target, self._tick)
         else:
             handle = module.register_forward_pre_hook(lambda m, args: self._tick() if m.training else None)
             self._undo = handle.remove
@@ -642,8 +631,7 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
             for batch in loader:
                 engine.backward(engine(batch)); engine.step()   # buffers equal on every rank after each step
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise InvalidArgumentError(f"{_FN}(): every must be an int >= 1, got {every!r}")
+    every = _args.every(every, _FN)
     src = _args.rank(src, "src", _FN)
     seconds = _args.timeout(timeout, _FN)
     engine = ds_compat.is_engine(model_or_engine)
