@@ -740,8 +740,8 @@ def patch_dcp_load(make: Callable[[Any], Any]) -> Callable[[], None]:
     from torch.distributed.checkpoint import state_dict_loader
 
     original = vars(state_dict_loader).get("load")
-    if not signature_starts(original, ("state_dict",)) or "process_group" not in inspect.signature(
-            original).parameters:
+    if original is None or not signature_starts(original, ("state_dict",)) or "process_group" not in (
+            inspect.signature(original).parameters):
         raise missing("torch", "torch.distributed.checkpoint.state_dict_loader.load(state_dict, *, process_group)")
     if vars(dcp).get("load") is not original:
         raise missing("torch", "torch.distributed.checkpoint.load as state_dict_loader.load")
