@@ -220,6 +220,25 @@ def test_fully_shard_of_a_model_left_on_meta_is_materialized_by_the_first_broadc
     assert all(o["tokens"] == with_[0]["tokens"] for o in with_)
 
 
+def _own_full_state_dict(rank, world):
+    """Every rank loads a full state dict of its own (no broadcast_from_rank0): its own BatchNorm statistics."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    model = _shard(_resnet(True))
+    own = _resnet(True).state_dict()
+    for name, t in own.items():
+        if "running_mean" in name:
+            t.fill_(float(rank))
+    with zb.install():
+        set_model_state_dict(model, own, options=StateDictOptions(full_state_dict=True))
+    return _buffers(model)
+
+
+def test_a_full_state_dict_load_without_broadcast_from_rank0_keeps_what_each_rank_loaded(ranks2):
+    out = ranks2.run(_own_full_state_dict, timeout=TIMEOUT)
+    means = [n for n in out[0] if n.endswith("running_mean")]
+    assert means and all(torch.equal(o[n], torch.full_like(o[n], float(r))) for r, o in enumerate(out) for n in means)
+
+
 # ============================================================================================ dcp.load
 
 def _dcp_load(rank, world, use_install, tmp):
