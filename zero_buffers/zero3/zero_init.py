@@ -1,5 +1,6 @@
 """Init and install(): zero.Init that broadcasts the buffers of every module built inside it, and a process-wide
-opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same."""
+opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same, and
+the FSDP2-era loads of ``zero_buffers.fsdp.loads``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -18,7 +19,8 @@ from .._core import (
     wire as _wire,
 )
 from ..broadcast import broadcast_buffers
-from ..errors import InvalidArgumentError, ZeroBuffersError
+from ..errors import DeepSpeedUnavailableError, InvalidArgumentError, ZeroBuffersError
+from ..fsdp import loads as _loads
 from ..precision import keep as _keep
 from . import _owners
 from .gathered import _Commit, resolve_group
@@ -183,14 +185,15 @@ class _Installed:
 
 def install(*, src: int = 0, timeout: _args.Timeout = None,
             keep_precision: bool | _keep.Spec = False) -> _Installed:
-    """Make DeepSpeed (and transformers) keep buffers in sync wherever they build or load a ZeRO-3 model.
+    """Make DeepSpeed, torch's FSDP2-era loads, Accelerate and transformers keep buffers in sync wherever they build
+    or load a model.
 
     Opt-in and process-wide. While installed, with ``src`` a rank within each data-parallel group:
 
-    * every ``deepspeed.zero.Init`` (including those transformers' ``from_pretrained`` / ``from_config``
-      and Accelerate open for you) broadcasts the buffers of every module built inside when its
+    * (DeepSpeed) every ``deepspeed.zero.Init`` (including those transformers' ``from_pretrained`` /
+      ``from_config`` and Accelerate open for you) broadcasts the buffers of every module built inside when its
       outermost context exits;
-    * every ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` (DeepSpeed's documented
+    * (DeepSpeed) every ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` (DeepSpeed's documented
       ``if rank == 0: module.load_state_dict(...)`` pattern, transformers 4.x loading, DeepSpeed's own
       ``load_checkpoint`` and 16-bit export) behaves like :class:`GatheredParametersAndBuffers`: the
       buffers of the modules that own the gathered parameters (learned when zero.Init converted them)
@@ -202,23 +205,35 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
       :class:`GatheredParametersAndBuffers` (module, ...) or :func:`broadcast_buffers`;
     * ``PreTrainedModel.from_pretrained`` under ZeRO-3 broadcasts every buffer of the loaded model from
       ``src`` before returning (transformers 4.x loads checkpoint buffers on rank 0 only; 5.x misses
-      non-persistent ones and those computed at init);
+      non-persistent ones and those computed at init); under Accelerate's FSDP rank-0 loading
+      (``cpu_ram_efficient_loading``) from global rank 0;
+    * (torch, Accelerate) after ``set_model_state_dict`` / ``set_state_dict`` with ``StateDictOptions(
+      full_state_dict=True, broadcast_from_rank0=True)``, after ``dcp.load`` of a state dict that
+      ``get_model_state_dict`` / ``get_state_dict`` built, and after Accelerate's FSDP2 full-state-dict load
+      (which then also loads models with persistent buffers), every buffer of the model, persistent or not, on
+      ``meta`` or holding what ``to_empty()`` left, is rank 0's (the loads' own source) in one sync over the ranks
+      the load ran over (``src`` does not apply: these loads always come from rank 0). What each load leaves wrong
+      without it, per version: docs/fsdp.md;
     * with ``keep_precision=True`` (or a spec, as :func:`~zero_buffers.keep_precision` takes), every module
       zero.Init converts has its declared buffers kept as soon as its own ``__init__`` ran (before a checkpoint is
       loaded into them), and so has every model a DeepSpeed engine is built around, before the engine's fp16 / bf16
       cast: BatchNorm statistics, transformers' fp32 lists and rotary tables stay fp32 (entries of the spec that
       match nothing in a module are fine here). :func:`uninstall` stops keeping them.
 
-    Idempotent (a second call changes nothing); :func:`uninstall` puts back DeepSpeed's and transformers'
-    identical methods. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError` if DeepSpeed
-    cannot be imported; without a process group every sync is a no-op.
+    Idempotent (a second call changes nothing); :func:`uninstall` puts back the identical functions and methods.
+    Usable as a context manager. Without DeepSpeed the DeepSpeed parts are left out and the rest is installed;
+    ``keep_precision`` then raises :class:`DeepSpeedUnavailableError` (what it keeps is what DeepSpeed builds). A
+    version of torch, Accelerate or transformers without a function it wraps raises :class:`DependencyError` and
+    installs nothing. Without a process group every sync is a no-op.
 
     Example::
 
         zero_buffers.install()
         model = AutoModel.from_pretrained(path)   # under ZeRO-3: buffers now agree on every rank
+        set_model_state_dict(fsdp_model, sd, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=True))
+        # every buffer of fsdp_model, rotary inv_freq included, is rank 0's
     """
-    ds_compat.partition_parameters()
     src = _args.rank(src, "src", "install")
     seconds = _args.timeout(timeout, "install")
     if not isinstance(keep_precision, bool):
@@ -229,15 +244,20 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
                                        f"{_kept_spec[0] if _kept_spec else False!r}; call uninstall() first to "
                                        "change it")
         return _Installed(owner=False)
+    deepspeed = _deepspeed_importable()
+    if keep_precision is not False and not deepspeed:
+        ds_compat.partition_parameters()  # DeepSpeedUnavailableError: what keep_precision keeps is DeepSpeed's
     try:
-        _undo.append(ds_compat.on_module_converted(_owners.remember))
-        if keep_precision is not False:
-            spec = None if keep_precision is True else keep_precision
-            _undo.append(_keep.keep_everywhere(spec, "install"))
-            _kept_spec.append(keep_precision)
-            _undo.append(_kept_spec.clear)
-        _undo.append(_patch_init_context(src, seconds))
-        _undo.append(_patch_gathered_parameters(seconds))
+        _undo.append(_loads.install(seconds))
+        if deepspeed:
+            _undo.append(ds_compat.on_module_converted(_owners.remember))
+            if keep_precision is not False:
+                spec = None if keep_precision is True else keep_precision
+                _undo.append(_keep.keep_everywhere(spec, "install"))
+                _kept_spec.append(keep_precision)
+                _undo.append(_kept_spec.clear)
+            _undo.append(_patch_init_context(src, seconds))
+            _undo.append(_patch_gathered_parameters(seconds))
         undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
         if undo_hf is not None:
             _undo.append(undo_hf)
@@ -247,8 +267,18 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
     return _Installed(owner=True)
 
 
+def _deepspeed_importable() -> bool:
+    """Whether DeepSpeed imports (and has what install() patches: a DependencyError otherwise)."""
+    try:
+        ds_compat.partition_parameters()
+    except DeepSpeedUnavailableError:
+        return False
+    return True
+
+
 def uninstall() -> None:
-    """Undo :func:`install`, restoring DeepSpeed's and transformers' methods exactly. A no-op when not installed."""
+    """Undo :func:`install`, restoring DeepSpeed's, torch's, Accelerate's and transformers' functions and methods
+    exactly. A no-op when not installed."""
     while _undo:
         _undo.pop()()
 
@@ -383,12 +413,16 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
 
 
 def _after_from_pretrained(model: Any, src: int, timeout: float | None) -> None:
-    """Under ZeRO-3, every buffer of a model transformers just loaded takes ``src``'s value (over its DP group)."""
-    if not isinstance(model, nn.Module) or not hf_compat.zero3_enabled():
+    """Under ZeRO-3, every buffer of a model transformers just loaded takes ``src``'s value (over its DP group);
+    under Accelerate's FSDP rank-0 loading, global rank 0's (over the default group; a buffer on meta is allocated)."""
+    if not isinstance(model, nn.Module):
         return
-    zero = [p for p in model.parameters() if ds_compat.is_zero_param(p)]
-    group = ds_compat.process_group(zero[0]) if zero else None
-    broadcast_buffers(model, src=src, group=group, timeout=timeout)
+    if hf_compat.zero3_enabled():
+        zero = [p for p in model.parameters() if ds_compat.is_zero_param(p)]
+        group = ds_compat.process_group(zero[0]) if zero else None
+        broadcast_buffers(model, src=src, group=group, timeout=timeout)
+    elif hf_compat.fsdp_rank0_loading():
+        _loads.after_rank0_load(model, timeout)  # [Note: loads install() follows]
 
 
 def _warn_once(key: str, message: str) -> None:
