@@ -78,6 +78,17 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], complex_:
         _foreach_copy(list(dst), list(src))
 
 
+def never_written(t: torch.Tensor) -> bool:
+    """Whether ``t`` was never written in place since it was made (its version counter, ``Tensor._version``, is 0:
+    what ``to_empty()`` and every factory leave; ``copy_``, ``fill_``, an in-place op or a collective into it
+    raise it). An inference tensor has no counter: False."""
+    if not hasattr(torch.Tensor, "_version"):
+        raise missing("torch", "Tensor._version (the version counter of in-place writes)")
+    if t.is_inference():
+        return False
+    return int(t._version) == 0
+
+
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy and without NumPy (``pip install torch`` does not bring
     it): a ctypes view of the tensor's memory. The caller must keep ``t`` alive while the view is used (or use
