@@ -561,15 +561,15 @@ def _as_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
                             deadline: _wire.Deadline, what: str, slabs: dict[torch.device, torch.Tensor],
                             fresh: Sequence[bool]) -> tuple[list[tuple[float, float, bool]], BaseException | None]:
-    """Per tensor, (max |mine - reference|, max |reference|, looks uninitialised) against group rank 0's copy, which travels in its own
-    dtype (``dtypes``: rank 0's, known on every rank) in slices of at most :data:`SLICE_BYTES`: small tensors packed
-    together per (device, dtype), a larger one cut in logical order (where it is cut depends on its shape and the
-    reference's dtype alone, so every rank issues the same broadcasts whatever its strides or its own dtype). Each
-    slice is compared in float64 as it arrives, in ``slabs`` (allocated and voted on before the first broadcast):
-    the extra memory is one slice and the comparison's temporaries, whatever the buffer's size. The reference rank
-    compares nothing (its difference with itself is 0). A comparison that fails here is returned (the first), after
-    every broadcast was issued. ``fresh``: per tensor, whether it was never written here (point 2 of [Note:
-    uninitialised buffers]); only those are looked at for leftover memory (point 3), on the other ranks."""
+    """Per tensor, (max |mine - reference|, max |reference|, looks uninitialised) against group rank 0's copy, which
+    travels in its own dtype (``dtypes``: rank 0's, known on every rank) in slices of at most :data:`SLICE_BYTES`:
+    small tensors packed together per (device, dtype), a larger one cut in logical order (where it is cut depends on
+    its shape and the reference's dtype alone, so every rank issues the same broadcasts whatever its strides or its
+    own dtype). Each slice is compared in float64 as it arrives, in ``slabs`` (allocated and voted on before the
+    first broadcast): the extra memory is one slice and the comparison's temporaries, whatever the buffer's size.
+    The reference rank compares nothing (its difference with itself is 0). A comparison that fails here is returned
+    (the first), after every broadcast was issued. ``fresh``: per tensor, whether it was never written here (point 2
+    of [Note: uninitialised buffers]); only those are looked at for leftover memory (point 3), on the other ranks."""
     out: list[tuple[float, float, bool]] = [(0.0, 0.0, False)] * len(tensors)
     reference = g.me == 0
     failure: BaseException | None = None
