@@ -1,6 +1,7 @@
-"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
-FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh, and
-the frame of a ``Module.parameters()`` generator (which module it walks)."""
+"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, the version counter
+of in-place writes (``Tensor._version``), DCP's file layout, FSDP1 / FSDP2 internals (the parameters they manage, a
+whole model unsharded, fully_shard undone), DeviceMesh, and the frame of a ``Module.parameters()`` generator (which
+module it walks)."""
 from __future__ import annotations
 
 import builtins
