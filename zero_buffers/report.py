@@ -592,7 +592,6 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dt
         if found is not None:
             measure(found.add, mine, ref)
 
-
     for bucket in _wire.plan(shadows, cap=SLICE_BYTES):
         first = tensors[bucket.indices[0]].detach()
         size = shadows[bucket.indices[0]].element_size()
