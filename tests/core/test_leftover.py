@@ -50,6 +50,12 @@ def test_all_zero_against_a_reference_that_is_not_counts_over_every_block():
     assert not _found(torch.zeros(4), torch.zeros(4))  # zero where the reference is zero too
 
 
+def test_a_reference_held_as_integers_holds_plain_numbers():
+    assert _found(torch.tensor([1.0, 1e-42, 3.0]), torch.tensor([1, 2, 3]))
+    assert not _found(torch.tensor([1.0, 2.5, 3.0]), torch.tensor([1, 2, 3]))
+    assert not _found(torch.tensor([0.0, 1.0]), torch.tensor([True, False]))
+
+
 def test_complex_buffers_count_their_parts_and_a_complex_against_a_real_one_is_not_judged():
     ref = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64)
     x = ref.clone()

@@ -121,7 +121,10 @@ _HUGE = 2.0 ** 64
 
 
 def _leftover_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per element (float64 ``t`` of original ``dtype``): NaN, +-inf, subnormal in ``dtype`` or above 2**64."""
+    """Per element (float64 ``t`` of original ``dtype``): NaN, +-inf, subnormal in ``dtype`` or above 2**64. An
+    integer or bool ``dtype`` (a reference held so) has plain numbers only."""
+    if not dtype.is_floating_point:
+        return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
     tiny = torch.finfo(dtype).tiny
     a = t.abs()
     return ~torch.isfinite(t) | ((a < tiny) & (a != 0)) | (a > _HUGE)
