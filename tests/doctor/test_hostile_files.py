@@ -34,6 +34,9 @@ from tests.doctor import files
 from tests.doctor.files import Payload, doctor, snapshot
 from tests.helpers import run_cmd
 
+# DCP's metadata classes and torch.load's unpickler are torch's own: the torch-next stack runs this file too
+pytestmark = pytest.mark.torch_next
+
 DCP_SKIPS = "nothing to repair"  # repair refuses a DCP folder (one copy) without opening its files
 
 
@@ -330,7 +333,6 @@ def test_a_hostile_file_is_refused_by_every_command_runs_nothing_and_writes_noth
     assert snapshot(tmp_path) == before and not out.exists()
 
 
-@pytest.mark.torch_next  # torch internals: runs on the torch-next stack too (.ci/run)
 def test_dcp_tensor_reads_unpickle_the_metadata_through_the_allowlist_too(tmp_path):
     """dcp.load reads .metadata again, by itself: the doctor's reader must be the one it uses."""
     from zero_buffers._compat import torch as compat
@@ -342,7 +344,6 @@ def test_dcp_tensor_reads_unpickle_the_metadata_through_the_allowlist_too(tmp_pa
     assert not marker.exists()
 
 
-@pytest.mark.torch_next  # torch internals: runs on the torch-next stack too (.ci/run)
 def test_the_dcp_allowlist_reads_real_metadata_of_every_entry_kind_as_pickle_does(tmp_path):
     """The allowlist is what real DCP metadata is made of: tensors of several dtypes and memory formats, bytes
     entries, nested containers, a Path checkpoint id; the restricted load equals pickle's."""
