@@ -8,7 +8,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 .venv/bin/pip wheel -q --no-deps -w "$work/dist" .
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q torch==2.13.0 "$work"/dist/zero_buffers-*.whl
+"$work/venv/bin/pip" install -q --no-compile torch==2.13.0 "$work"/dist/zero_buffers-*.whl
 cd "$work"  # away from the source tree: everything below comes from the installed wheel
 "$work/venv/bin/python" - <<'EOF'
 import importlib.util

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests of what DeepSpeed, transformers and Accelerate do run on both dependency stacks (.ci/run: pytest -m stack
 # on the oldest supported versions): each is marked where it is written, ``pytestmark = pytest.mark.stack`` for a
 # whole file, ``@pytest.mark.stack`` for one test.
+# The tests of torch's own distributed machinery (FSDP2, FSDP1, DCP, DeviceMesh, torchvision's models) run on the
+# torch-next stack too (.ci/run: pytest -m torch_next on torch 2.14.1): every test under tests/fsdp gets the marker
+# here, the others are marked where they are written.
+_FSDP_TESTS = Path(__file__).resolve().parent / "fsdp"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _FSDP_TESTS in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.torch_next)
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,9 @@ class BufferRow:
     different values (of those the buffer is replicated over), ``coordinates`` the mesh coordinates of
     ``differing_ranks`` (in that order), and ``placement`` the buffer's placements (``dp:R,tp:S(0)``); each rank is
     compared with the reference of its own class (the rank at coordinate 0 of the replicated dimensions, its own
-    coordinates elsewhere)."""
+    coordinates elsewhere).
+    ``uninitialised_ranks``: the differing ranks whose copy looks never written since it was allocated (memory
+    ``to_empty()`` left as it was; the rule: [Note: uninitialised buffers] in ``_core/compare.py``)."""
 
     name: str
     dtype: str
@@ -66,6 +68,7 @@ class BufferRow:
     mesh_dims: tuple[str, ...] = ()
     coordinates: tuple[tuple[int, ...], ...] = ()
     placement: str = ""
+    uninitialised_ranks: tuple[int, ...] = ()
 
     @property
     def dtype_text(self) -> str:
@@ -287,6 +290,9 @@ def _render(report: BufferReport, pick: _Selection, head: str | None, precision:
                    f"(reference rank {report.reference_rank}, atol={report.atol:g})")
         if bad:
             default += f"; differing ranks: {_ranks(sorted({k for r in bad for k in r.differing_ranks}))}"
+        empty = [r for r in bad if r.uninitialised_ranks]
+        if empty:
+            default += f"; {len(empty)} look uninitialised"
     degraded = report.degraded if precision else []
     if degraded:
         default += f"; {len(degraded)} held below their declared dtype"
@@ -297,6 +303,9 @@ def _render(report: BufferReport, pick: _Selection, head: str | None, precision:
     if any(r.mesh_dims for r in pick.rows):
         titles += ("mesh",)
         cells = [(*c, _mesh_cell(r, report.mesh)) for c, r in zip(cells, pick.rows)]
+    if any(r.uninitialised_ranks for r in pick.rows):
+        titles += ("uninitialised on",)
+        cells = [(*c, _ranks(r.uninitialised_ranks) or "-") for c, r in zip(cells, pick.rows)]
     if any(r.degraded_ranks for r in pick.rows) and precision:
         titles += ("precision",)
         cells = [(*c, _precision_cell(r, report.ranks)) for c, r in zip(cells, pick.rows)]
@@ -387,6 +396,7 @@ def buffer_report(module: nn.Module, *, group: Any = None, atol: float = 0.0, ig
     return _report("buffer_report", module, group, atol, ignore, include_parameters, timeout)
 
 
+_PER_BUFFER = 4  # floats per differing buffer in the comparison's all_gather: diff, scale, untrained, uninitialised
 _IN_SYNC: dict[Any, BufferReport] = {}  # (structure, non-persistent names, ranks, ...) -> the all-agree report
 
 
@@ -445,7 +455,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
                          verdict.get("ranks", ()), verdict.get("rel", 0.0), verdict.get("untrained", ()),
                          verdict.get("rank_dtypes", ()), tuple(degraded), declared if degraded else "",
                          why if degraded else "", verdict.get("mesh_dims", ()), verdict.get("coordinates", ()),
-                         texts[i])
+                         texts[i], verdict.get("uninitialised", ()))
 
     if g is None:
         me = _group.global_rank()
@@ -508,26 +518,32 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     refs = _references(g, placed, n)  # per buffer, per member: the member it is compared with
     differ = [i for i in range(n) if any(digests[j][i] != digests[refs[i][j]][i] or kinds[j][i] != kinds[refs[i][j]][i]
                                          for j in range(g.size))]
-    measured_of: dict[int, tuple[float, float]] = {}
+    fresh_of: dict[int, bool] = {}
+    try:  # [Note: uninitialised buffers], point 2: read before anything of this call could write them
+        fresh_of = {i: (tensors[i].is_floating_point() or tensors[i].is_complex())
+                    and torch_compat.never_written(tensors[i]) for i in differ}
+    except BaseException as e:  # noqa: BLE001 - as above
+        failure = failure or e
+    measured_of: dict[int, tuple[float, float, bool]] = {}
     for sub, idx in (placed.classes(differ) if placed is not None else [(g, differ)]):
         if sub is None:
             continue  # sharded or partial on every dimension: nothing to compare with
         first = refs[idx[0]][g.me] if idx else 0
         reference = [_structure.dtype_of(kinds[first][i]) or tensors[i].dtype for i in idx]  # the line's first's
         measured, compare_failure = _compare_with_reference(sub, [tensors[i] for i in idx], reference, deadline, fn,
-                                                            slabs)
+                                                            slabs, [fresh_of.get(i, False) for i in idx])
         measured_of.update(zip(idx, measured))
         failure = failure or compare_failure
-    measured = [measured_of.get(i, (0.0, 0.0)) for i in differ]
+    measured = [measured_of.get(i, (0.0, 0.0, False)) for i in differ]
     untrained = [False] * len(differ)
     try:
         untrained = _untrained_flags(module, [entries[i][0] for i in differ])
     except BaseException as e:  # noqa: BLE001 - as above
         failure = failure or e
-    # one all_gather: per differing buffer, this rank's max |x - ref|, the reference's max |ref|, untrained flag;
-    # then the module's train/eval mode and whether this rank failed
-    mine = [v for (d, m), u in zip(measured, untrained) for v in (d, m, float(u))] + [float(module.training),
-                                                                                    float(failure is not None)]
+    # one all_gather: per differing buffer, this rank's max |x - ref|, the reference's max |ref|, untrained flag,
+    # looks-uninitialised flag; then the module's train/eval mode and whether this rank failed
+    mine = [v for (d, m, f), u in zip(measured, untrained) for v in (d, m, float(u), float(f and not u))] + [
+        float(module.training), float(failure is not None)]
     table = _wire.all_gather_values(g, mine, deadline, fn, dtype=torch.float64)  # type: ignore[arg-type]
     _transaction.abort_if_any(g, [int(t[-1]) for t in table], failure, deadline, fn, "comparing the buffers failed",
                               "nothing was changed")
@@ -546,7 +562,7 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
     rows = {i: row(i, **common(i)) for i in range(n)}
     for k, i in enumerate(differ):
         ref = refs[i]
-        diffs = [table[j][3 * k] for j in range(g.size)]
+        diffs = [table[j][_PER_BUFFER * k] for j in range(g.size)]
         # another dtype than its reference's: out of sync, whatever atol
         retyped = {j for j in range(g.size) if kinds[j][i] != kinds[ref[j]][i]}
         if atol == 0:
@@ -555,14 +571,16 @@ def _report(fn: str, module: nn.Module, group: Any, atol: float, ignore: Iterabl
             bad_j = [j for j, d in enumerate(diffs) if not d <= atol or j in retyped]
         bad = tuple(g.ranks[j] for j in bad_j)
         worst = max(diffs)
-        scale = max(table[ref[j]][3 * k + 1] for j in bad_j) if bad_j else table[0][3 * k + 1]
+        scale = max(table[ref[j]][_PER_BUFFER * k + 1] for j in bad_j) if bad_j else table[0][_PER_BUFFER * k + 1]
         rel = 0.0 if worst == 0 else math.inf if scale == 0 else worst / scale
-        fresh = tuple(r for j, r in enumerate(g.ranks) if table[j][3 * k + 2])
+        untrained_here = tuple(r for j, r in enumerate(g.ranks) if table[j][_PER_BUFFER * k + 2])
+        empty = tuple(r for j, r in enumerate(g.ranks) if table[j][_PER_BUFFER * k + 3] and r in bad)
         where: dict[str, Any] = {}
         if g.mesh is not None and bad_j:
             where = {"mesh_dims": _disagreeing(g, placed, i, [d[i] for d in digests], set(bad_j)),
                      "coordinates": tuple(g.mesh.coords[j] for j in bad_j)}
-        rows[i] = row(i, in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=fresh, **common(i), **where)
+        rows[i] = row(i, in_sync=not bad, diff=worst, ranks=bad, rel=rel, untrained=untrained_here,
+                      uninitialised=empty, **common(i), **where)
     return BufferReport(tuple(rows[i] for i in range(n)), g.ranks, g.ranks[0], atol, training=bool(table[0][-2]),
                         mesh=names)
 
@@ -626,17 +644,18 @@ def _as_reference(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype],
-                            deadline: _wire.Deadline, what: str, slabs: dict[torch.device, torch.Tensor]
-                            ) -> tuple[list[tuple[float, float]], BaseException | None]:
-    """Per tensor, (max |mine - reference|, max |reference|) against group rank 0's copy, which travels in its own
-    dtype (``dtypes``: rank 0's, known on every rank) in slices of at most :data:`SLICE_BYTES`: small tensors packed
-    together per (device, dtype), a larger one cut in logical order (where it is cut depends on its shape and the
-    reference's dtype alone, so every rank issues the same broadcasts whatever its strides or its own dtype). Each
-    slice is compared in float64 as it arrives, in ``slabs`` (allocated and voted on before the first broadcast):
-    the extra memory is one slice and the comparison's temporaries, whatever the buffer's size. The reference rank
-    compares nothing (its difference with itself is 0). A comparison that fails here is returned (the first), after
-    every broadcast was issued."""
-    out: list[tuple[float, float]] = [(0.0, 0.0)] * len(tensors)
+                            deadline: _wire.Deadline, what: str, slabs: dict[torch.device, torch.Tensor],
+                            fresh: Sequence[bool]) -> tuple[list[tuple[float, float, bool]], BaseException | None]:
+    """Per tensor, (max |mine - reference|, max |reference|, looks uninitialised) against group rank 0's copy, which
+    travels in its own dtype (``dtypes``: rank 0's, known on every rank) in slices of at most :data:`SLICE_BYTES`:
+    small tensors packed together per (device, dtype), a larger one cut in logical order (where it is cut depends on
+    its shape and the reference's dtype alone, so every rank issues the same broadcasts whatever its strides or its
+    own dtype). Each slice is compared in float64 as it arrives, in ``slabs`` (allocated and voted on before the
+    first broadcast): the extra memory is one slice and the comparison's temporaries, whatever the buffer's size.
+    The reference rank compares nothing (its difference with itself is 0). A comparison that fails here is returned
+    (the first), after every broadcast was issued. ``fresh``: per tensor, whether it was never written here (point 2
+    of [Note: uninitialised buffers]); only those are looked at for leftover memory (point 3), on the other ranks."""
+    out: list[tuple[float, float, bool]] = [(0.0, 0.0, False)] * len(tensors)
     reference = g.me == 0
     failure: BaseException | None = None
     shadows = [_as_reference(t, d) for t, d in zip(tensors, dtypes)]  # on the reference rank: the tensors
@@ -651,12 +670,20 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dt
             failure = failure or e
             return 0.0
 
+    def leftover(i: int) -> _compare.Leftover | None:
+        return _compare.Leftover() if fresh[i] and not reference else None
+
+    def look(found: _compare.Leftover | None, mine: torch.Tensor, ref: torch.Tensor) -> None:
+        if found is not None:
+            measure(found.add, mine, ref)
+
     for bucket in _wire.plan(shadows, cap=SLICE_BYTES):
         first = tensors[bucket.indices[0]].detach()
         size = shadows[bucket.indices[0]].element_size()
         slab = slabs[bucket.device]
         if len(bucket.indices) == 1 and first.numel() * size > SLICE_BYTES:
             worst = scale = 0.0
+            found = leftover(bucket.indices[0])
             for block in _compare.blocks(first, max(1, SLICE_BYTES // size)):
                 ref = _in_slab(slab, bucket.dtype, block.shape)
                 if reference:  # a copy of the block (conj/neg views resolved), sent from the slab
@@ -664,8 +691,9 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dt
                 _wire.broadcast_flat(g, ref, 0, deadline, what)
                 if not reference:
                     worst = max(worst, measure(_compare.max_abs_diff, block, ref))
+                    look(found, block, ref)
                 scale = max(scale, measure(_compare.max_abs, ref))
-            out[bucket.indices[0]] = (worst, scale)
+            out[bucket.indices[0]] = (worst, scale, found is not None and found.found)
             continue
         space: Any = {bucket.device: slab} if reference else [_in_slab(slab, bucket.dtype, (bucket.numel,))]
         try:
@@ -679,10 +707,13 @@ def _compare_with_reference(g: _group.Group, tensors: Sequence[torch.Tensor], dt
             mine = tensors[i].detach()
             n = mine.numel()
             if reference:
-                out[i] = (0.0, measure(_compare.max_abs, mine))
+                out[i] = (0.0, measure(_compare.max_abs, mine), False)
             else:
                 ref = space[0][offset:offset + n].view(mine.shape)
-                out[i] = (measure(_compare.max_abs_diff, mine, ref), measure(_compare.max_abs, ref))
+                found = leftover(i)
+                look(found, mine, ref)
+                out[i] = (measure(_compare.max_abs_diff, mine, ref), measure(_compare.max_abs, ref),
+                          found is not None and found.found)
             offset += n
     return out, failure
 
@@ -723,7 +754,21 @@ def _by_dtype(row: BufferRow, ranks: Sequence[int]) -> str:
 
 
 def _value_advice(report: BufferReport, bad: Sequence[BufferRow]) -> str:
-    """What to call, given what the buffers whose values differ look like."""
+    """What to call, given what the buffers whose values differ look like: uninitialised ones first (then the
+    advice for the others, if any)."""
+    empty = [r for r in bad if r.uninitialised_ranks]
+    if empty:
+        on = sorted({u for r in empty for u in r.uninitialised_ranks})
+        loaded = [r for r in report.ranks if r not in on]
+        src = report.ranks.index(loaded[0]) if loaded else 0
+        more = f" (and {len(empty) - 1} more: {_names(empty[1:])})" if len(empty) > 1 else ""
+        text = (f"'{empty[0].name}'{more} looks uninitialised on {'rank' if len(on) == 1 else 'ranks'} "
+                f"{_ranks(on)}: never written since it was allocated and holding leftover memory (NaN, subnormal, "
+                "huge or all-zero values where the reference has none), as to_empty() leaves buffers that a load "
+                "did not carry (non-persistent ones: set_model_state_dict, dcp.load). After the load, take the "
+                f"loaded values: zero_buffers.broadcast_buffers(module, materialize=True{_src_arg(src)}).")
+        rest = [r for r in bad if not r.uninitialised_ranks]
+        return text + (" Other buffers: " + _value_advice(report, rest) if rest else "")
     stats = [r for r in bad if r.name.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")]
     untrained = sorted({u for r in stats for u in r.untrained_ranks})
     if untrained:
@@ -743,6 +788,16 @@ def _value_advice(report: BufferReport, bad: Sequence[BufferRow]) -> str:
                 "with zero_buffers.recompute_bn_stats(module, loader); then every rank holds the same values.")
     return ("Take one rank's values with zero_buffers.broadcast_buffers(module) (for statistics that each rank "
             "updates, merge them instead).")
+
+
+def _names(rows: Sequence[BufferRow], limit: int = 3) -> str:
+    """``'a', 'b', 'c' ...``: the first ``limit`` names."""
+    shown = ", ".join(f"'{r.name}'" for r in rows[:limit])
+    return shown + (" ..." if len(rows) > limit else "")
+
+
+def _src_arg(src: int) -> str:
+    return f", src={src}" if src else ""
 
 
 def assert_buffers_in_sync(module: nn.Module, *, group: Any = None, atol: float = 0.0, ignore: Iterable[str] = (),

@@ -81,10 +81,10 @@ def test_report_flags_exactly_the_differing_buffers_identically_on_every_rank(ra
     # The differing path: the structure + content digest, then one 64-bit digest per buffer (12), their dtypes and
     # degraded-precision flags a byte each (2 words), the declarations' digest and the failed vote, then the
     # reference rank broadcasts only the differing buffers, one dtype bucket at a time (float32
-    # codebook, int64 steps, bfloat16), then one all_gather of 3 floats per differing buffer + the train/eval flag +
-    # the failed vote.
+    # codebook, int64 steps, bfloat16), then one all_gather of 4 floats per differing buffer (max |diff|, scale,
+    # untrained, uninitialised) + the train/eval flag + the failed vote.
     want = [("all_gather", "torch.int64", 3), ("all_gather", "torch.int64", 16), ("broadcast", "torch.float32", 32),
-            ("broadcast", "torch.int64", 1), ("broadcast", "torch.bfloat16", 5), ("all_gather", "torch.float64", 11)]
+            ("broadcast", "torch.int64", 1), ("broadcast", "torch.bfloat16", 5), ("all_gather", "torch.float64", 14)]
     assert [o["log"] for o in out] == [want] * world
 
 

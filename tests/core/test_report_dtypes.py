@@ -102,7 +102,7 @@ def test_a_buffer_in_another_dtype_on_some_ranks_is_a_row_compared_in_float64_no
     # at all)
     want_log = [("all_gather", "torch.int64", 3), ("all_gather", "torch.int64", 10),
                 ("broadcast", "torch.int64", 3), ("broadcast", "torch.float32", 18),
-                ("all_gather", "torch.float64", 3 * 5 + 2)]
+                ("all_gather", "torch.float64", 4 * 5 + 2)]
     assert [o["report"]["log"] for o in out] == [want_log] * world
     text = str(report)
     dtype_text = f"float32 ({'rank 1' if world == 2 else 'ranks 1, 3'}: bfloat16)"

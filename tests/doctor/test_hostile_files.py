@@ -34,6 +34,9 @@ from tests.doctor import files
 from tests.doctor.files import Payload, doctor, snapshot
 from tests.helpers import run_cmd
 
+# DCP's metadata classes and torch.load's unpickler are torch's own: the torch-next stack runs this file too
+pytestmark = pytest.mark.torch_next
+
 DCP_SKIPS = "nothing to repair"  # repair refuses a DCP folder (one copy) without opening its files
 
 

@@ -1,6 +1,6 @@
 """The declared version ranges are the ones CI runs, and docs/versions.md's per-version claims hold on this stack.
 
-.ci/run runs this file on both stacks (newest pins and oldest supported versions).
+.ci/run runs this file on the newest pins and the oldest supported versions, and its torch_next tests on torch 2.14.1.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 from packaging.version import Version
 from torch import nn
 
@@ -21,6 +22,7 @@ from tests.helpers import ZERO3_CONFIG, init_deepspeed
 pytestmark = pytest.mark.stack
 
 ROOT = Path(__file__).resolve().parents[2]
+STACKS = ("constraints.txt", "constraints-oldest.txt", "constraints-torch-next.txt")  # what .ci/run installs
 
 
 def _pins(name: str) -> dict[str, str]:
@@ -31,7 +33,7 @@ def test_pyproject_floors_are_the_oldest_stack_ci_runs():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {}
     for spec in project["dependencies"] + project["optional-dependencies"]["all"]:
-        m = re.match(r"([A-Za-z0-9_.-]+)>=(\S+)", spec)
+        m = re.match(r"([A-Za-z0-9_.-]+)>=([^,\s]+)", spec)
         if m:
             floors[m[1]] = m[2]
     oldest, newest = _pins("constraints-oldest.txt"), _pins("constraints.txt")
@@ -42,11 +44,26 @@ def test_pyproject_floors_are_the_oldest_stack_ci_runs():
         assert Version(newest[package]) >= Version(oldest[package])
 
 
-def test_this_stack_is_one_of_the_two_ci_runs():
+@pytest.mark.torch_next
+def test_this_stack_is_one_ci_runs():
     installed = {p: version(p) for p in ("deepspeed", "accelerate", "transformers")}
-    stacks = [{p: v for p, v in _pins(f).items() if p in installed}
-              for f in ("constraints.txt", "constraints-oldest.txt")]
+    installed["torch"] = Version(torch.__version__).public  # 2.14.1+cu130 is the pin 2.14.1
+    stacks = [{p: v for p, v in _pins(f).items() if p in installed} for f in STACKS]
     assert installed in stacks, (installed, stacks)
+
+
+@pytest.mark.torch_next
+def test_the_declared_torch_range_holds_exactly_the_minors_ci_runs():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_req = next(Requirement(d) for d in project["dependencies"] if Requirement(d).name == "torch")
+    pins = sorted({Version(_pins(f)["torch"]) for f in STACKS})
+    assert len(pins) >= 2, pins  # a second torch besides the floor
+    assert all(p in torch_req.specifier for p in pins), (str(torch_req), pins)
+    floor, newest = pins[0], pins[-1]
+    assert Version(f"{floor.major}.{floor.minor}") in torch_req.specifier  # the floor is the oldest minor CI runs
+    assert Version(f"{floor.major}.{floor.minor - 1}.99") not in torch_req.specifier
+    assert Version(f"{newest.major}.{newest.minor}.99") in torch_req.specifier  # every patch of the newest minor
+    assert Version(f"{newest.major}.{newest.minor + 1}") not in torch_req.specifier  # no minor CI has not run
 
 
 class _Net(nn.Module):

@@ -40,6 +40,7 @@ def _dtypes(m: nn.Module) -> dict[str, torch.dtype]:
     return {n: t.dtype for n, t in [*m.named_buffers(), *m.named_parameters()]}
 
 
+@pytest.mark.torch_next  # torch internals: runs on the torch-next stack too (.ci/run)
 def test_kept_buffers_keep_their_dtype_and_fp32_values_through_every_cast_and_still_move_devices():
     net = _net()
     kept = zb.keep_precision(net, {"*.ema": torch.float32})
@@ -418,6 +419,7 @@ def _fsdp2_mixed_precision(rank, world):
     return out
 
 
+@pytest.mark.torch_next  # torch internals: runs on the torch-next stack too (.ci/run)
 def test_fsdp2_bf16_mixed_precision_refuses_a_batchnorm_on_cpu_and_keep_precision_runs_it_in_fp32(ranks2):
     for rank, out in enumerate(ranks2.run(_fsdp2_mixed_precision, timeout=240)):
         # the policy casts the unsharded parameters to bf16 and leaves the fp32 statistics: CPU batch_norm refuses

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -141,6 +142,7 @@ def _module_loops(rank, world):
     return out
 
 
+@pytest.mark.torch_next  # torch internals: runs on the torch-next stack too (.ci/run)
 def test_keep_in_sync_on_plain_and_fully_shard_modules_syncs_before_train_forwards_only(ranks):
     out = ranks.run(_module_loops, timeout=240)
     for kind in ("plain", "fully_shard"):

@@ -1,6 +1,7 @@
-"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, DCP's file layout,
-FSDP1 / FSDP2 internals (the parameters they manage, a whole model unsharded, fully_shard undone), DeviceMesh, and
-the frame of a ``Module.parameters()`` generator (which module it walks), whether a backward is running."""
+"""Private torch APIs: ``torch._utils`` flat-tensor helpers, the fused ``torch._foreach_copy_``, the version counter
+of in-place writes (``Tensor._version``), DCP's file layout, FSDP1 / FSDP2 internals (the parameters they manage, a
+whole model unsharded, fully_shard undone), DeviceMesh, and the frame of a ``Module.parameters()`` generator (which
+module it walks), whether a backward is running."""
 from __future__ import annotations
 
 import builtins
@@ -77,6 +78,17 @@ def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], complex_:
                 d.copy_(s)
             return
         _foreach_copy(list(dst), list(src))
+
+
+def never_written(t: torch.Tensor) -> bool:
+    """Whether ``t`` was never written in place since it was made (its version counter, ``Tensor._version``, is 0:
+    what ``to_empty()`` and every factory leave; ``copy_``, ``fill_``, an in-place op or a collective into it
+    raise it). An inference tensor has no counter: False."""
+    if not hasattr(torch.Tensor, "_version"):
+        raise missing("torch", "Tensor._version (the version counter of in-place writes)")
+    if t.is_inference():
+        return False
+    return int(t._version) == 0
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

@@ -91,3 +91,80 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+# [Note: uninitialised buffers]
+# A rank's copy of a buffer is reported *uninitialised* (``BufferRow.uninitialised_ranks``) when all of these hold:
+#
+# 1. it differs from the reference rank's copy (the report's own comparison; the reference is never uninitialised);
+# 2. it is a floating-point or complex tensor that has not been written in place since it was made: its version
+#    counter is 0 (``torch_compat.never_written``). ``to_empty()``, ``torch.empty``, ``torch.zeros`` and a fresh
+#    assignment make such tensors; ``copy_``, ``load_state_dict``, ``fill_``, a BatchNorm forward and a collective
+#    into it all count as writes;
+# 3. its values show what memory nobody wrote looks like (:class:`Leftover`), against the reference's copy:
+#    - some element is NaN, +-inf, subnormal (non-zero, smaller in magnitude than its dtype's smallest normal) or
+#      above 2**64 in magnitude where the reference's element is none of these (the words glibc keeps in freed
+#      chunks are heap and library addresses, whose top bits are zero: read as float32 or float64 they are
+#      subnormals; random bits are huge or not finite a quarter of the time);
+#    - or every element is zero while the reference's copy is not all zero (fresh pages from the allocator);
+# 4. the layer is not an untrained BatchNorm on that rank (mean 0, var 1, count 0: ``untrained_ranks`` says so).
+#
+# What this misses: leftover memory that holds plausible numbers (an earlier tensor's data, which CUDA's caching
+# allocator hands back as it was, and a CPU allocator does for larger buffers), a to_empty buffer that something
+# filled in place afterwards (transformers 5's zero-filling of meta leftovers is a write), integer and bool buffers
+# (never flagged). What it may call uninitialised that was made on purpose: a buffer assigned anew on some ranks,
+# never written in place since, holding NaN, subnormal, huge or only zero values where the reference does not.
+# Either way the row still says the buffer differs; this only picks the advice (take the loaded rank's values with
+# ``broadcast_buffers(materialize=True)`` after the load). Only the report's differing path computes it: it rides the
+# all_gather of the per-buffer floats, so a report of agreeing ranks costs what it did.
+_HUGE = 2.0 ** 64
+
+
+def _leftover_like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per element (float64 ``t`` of original ``dtype``): NaN, +-inf, subnormal in ``dtype`` or above 2**64. An
+    integer or bool ``dtype`` (a reference held so) has plain numbers only."""
+    if not dtype.is_floating_point:
+        return torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    tiny = torch.finfo(dtype).tiny
+    a = t.abs()
+    return ~torch.isfinite(t) | ((a < tiny) & (a != 0)) | (a > _HUGE)
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
+
+
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
+class Leftover:
+    """Point 3 of [Note: uninitialised buffers] for one tensor, fed in aligned blocks (:meth:`add`)."""
+
+    __slots__ = ("garbage", "mine_zero", "ref_nonzero")
+
+    def __init__(self) -> None:
+        self.garbage = False  # a leftover-looking element where the reference holds a plain number
+        self.mine_zero = True
+        self.ref_nonzero = False
+
+    def add(self, x: torch.Tensor, ref: torch.Tensor) -> bool:
+        """Take in the next block of the tensor (``x``) and the same block of the reference (``ref``); return
+        :attr:`found` so far. A complex tensor counts its real and imaginary parts as elements; a complex one
+        against a real one is not judged."""
+        if x.is_complex() != ref.is_complex():
+            self.mine_zero = False
+            return self.found
+        dx, dr = _real_dtype(x.dtype), _real_dtype(ref.dtype)
+        for x_part, ref_part in _aligned(x.detach(), ref.detach()):
+            a, b = _real_view(x_part).to(torch.float64), _real_view(ref_part).to(torch.float64)
+            if not self.garbage:
+                self.garbage = bool((_leftover_like(a, dx) & ~_leftover_like(b, dr)).any())
+            self.mine_zero = self.mine_zero and not bool(a.any())
+            self.ref_nonzero = self.ref_nonzero or bool(b.any())
+            del a, b
+        return self.found
+
+    @property
+    def found(self) -> bool:
+        return self.garbage or (self.mine_zero and self.ref_nonzero)
