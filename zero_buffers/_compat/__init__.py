@@ -7,6 +7,7 @@ when it does not. Nothing here degrades to "warn and carry on".
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -42,3 +43,24 @@ def replace(owner: type, name: str, make: Callable[[Any], Any]) -> Callable[[], 
     def undo() -> None:
         setattr(owner, name, original)
     return undo
+
+
+def replace_global(module: Any, name: str, make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Set the module-level ``module.name = make(original)``; returns the undo, which puts the identical original
+    back. A module without ``name`` (a version where it moved or is gone) is a DependencyError naming the package."""
+    if name not in vars(module):
+        raise missing(module.__name__.split(".", 1)[0], f"{module.__name__}.{name}")
+    original = vars(module)[name]
+    setattr(module, name, make(original))
+
+    def undo() -> None:
+        setattr(module, name, original)
+    return undo
+
+
+def signature_starts(func: Any, names: tuple[str, ...]) -> bool:
+    """Whether ``func`` is a callable whose first parameters are named ``names``."""
+    try:
+        return tuple(inspect.signature(func).parameters)[:len(names)] == names
+    except (TypeError, ValueError):
+        return False

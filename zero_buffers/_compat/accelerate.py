@@ -2,9 +2,10 @@
 save methods save hooks wrap."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from . import missing
+from . import missing, replace_global, signature_starts
 
 
 def is_accelerator(obj: Any) -> bool:
@@ -30,3 +31,48 @@ def save_methods(accelerator: Any) -> tuple[str, ...]:
         if not callable(getattr(accelerator, name, None)):
             raise missing("accelerate", f"Accelerator.{name} (a method save hooks wrap)")
     return SAVE_METHODS
+
+
+def _fsdp_utils() -> Any:
+    """``accelerate.utils.fsdp_utils`` and ``accelerate.accelerator``, or None when Accelerate is not installed."""
+    try:
+        from accelerate import accelerator
+        from accelerate.utils import fsdp_utils
+    except ImportError:
+        return None
+    return fsdp_utils, accelerator
+
+
+def patch_fsdp2_loading(make_load: Callable[[Any], Any], make_prepare: Callable[[Any], Any]) -> Callable[[], None] | None:
+    """Replace Accelerate's FSDP2 full-state-dict load, ``utils.fsdp_utils.fsdp2_load_full_state_dict(accelerator,
+    model, full_sd, ...)`` (what ``fsdp2_prepare_model`` calls, by its module global, under
+    ``cpu_ram_efficient_loading``), by ``make_load(original)``, and the ``fsdp2_prepare_model(accelerator, model)``
+    that ``Accelerator.prepare`` calls (bound by name in ``accelerate.accelerator``) by ``make_prepare(original)``.
+    Returns the undo; None for an Accelerate without FSDP2 (1.1.0 has neither function: there is no FSDP2 load to
+    follow) or not installed. A version with one and not the other, or other signatures, is a DependencyError."""
+    found = _fsdp_utils()
+    if found is None:
+        return None
+    fsdp_utils, accelerator = found
+    load, prepare = vars(fsdp_utils).get("fsdp2_load_full_state_dict"), vars(fsdp_utils).get("fsdp2_prepare_model")
+    if load is None and prepare is None and "fsdp2_prepare_model" not in vars(accelerator):
+        return None
+    if not signature_starts(load, ("accelerator", "model", "full_sd")):
+        raise missing("accelerate", "utils.fsdp_utils.fsdp2_load_full_state_dict(accelerator, model, full_sd)")
+    if not signature_starts(prepare, ("accelerator", "model")) or vars(accelerator).get("fsdp2_prepare_model") is not prepare:
+        raise missing("accelerate", "accelerator.fsdp2_prepare_model(accelerator, model) from utils.fsdp_utils")
+    undos = [replace_global(fsdp_utils, "fsdp2_load_full_state_dict", make_load),
+             replace_global(accelerator, "fsdp2_prepare_model", make_prepare)]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return undo
+
+
+def is_main_process(accelerator: Any) -> bool:
+    """``accelerator.is_main_process``: global rank 0, the rank Accelerate's FSDP2 load broadcasts from."""
+    main = getattr(accelerator, "is_main_process", None)
+    if not isinstance(main, bool):
+        raise missing("accelerate", "Accelerator.is_main_process")
+    return main

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import missing, replace
+from . import missing, replace, replace_global, signature_starts
 
 try:
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -693,3 +693,64 @@ def patch_batchnorm_forward(make: Callable[[Any], Any]) -> Callable[[], None]:
     if not isinstance(base, type):
         raise missing("torch", "torch.nn.modules.batchnorm._BatchNorm")
     return replace(base, "forward", make)
+
+
+# -- torch.distributed.checkpoint: the model loads install() follows ------------------------------------------------
+def patch_model_state_dict_load(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``torch.distributed.checkpoint.state_dict._load_model_state_dict(model, state_dict, info)``, the one
+    function ``set_model_state_dict`` and ``set_state_dict`` load a model through (they look it up as a module
+    global at each call, so a caller's own ``from ... import set_model_state_dict`` is covered), with
+    ``make(original)``; returns the undo. Relies on ``info.broadcast_from_rank0`` (:func:`broadcasts_from_rank0`)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    original = vars(dsd).get("_load_model_state_dict")
+    if not signature_starts(original, ("model", "state_dict", "info")):
+        raise missing("torch", "torch.distributed.checkpoint.state_dict._load_model_state_dict(model, state_dict, "
+                      "info)")
+    fields = getattr(getattr(dsd, "StateDictOptions", None), "__dataclass_fields__", {})
+    if "broadcast_from_rank0" not in fields or "full_state_dict" not in fields:
+        raise missing("torch", "StateDictOptions.broadcast_from_rank0 / full_state_dict")
+    return replace_global(dsd, "_load_model_state_dict", make)
+
+
+def broadcasts_from_rank0(info: Any) -> bool:
+    """Whether a ``_StateDictInfo`` (the options ``set_model_state_dict`` was given) broadcast rank 0's state dict
+    to every rank of the default group (``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``)."""
+    flag = getattr(info, "broadcast_from_rank0", None)
+    if not isinstance(flag, bool):
+        raise missing("torch", "_StateDictInfo.broadcast_from_rank0")
+    return flag
+
+
+def patch_model_state_dict_get(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``torch.distributed.checkpoint.state_dict._get_model_state_dict(model, info)``, what
+    ``get_model_state_dict`` and ``get_state_dict`` build a model's state dict with, by ``make(original)``."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    if not signature_starts(vars(dsd).get("_get_model_state_dict"), ("model", "info")):
+        raise missing("torch", "torch.distributed.checkpoint.state_dict._get_model_state_dict(model, info)")
+    return replace_global(dsd, "_get_model_state_dict", make)
+
+
+def patch_dcp_load(make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replace ``torch.distributed.checkpoint.load`` (``state_dict_loader.load(state_dict, *, ...,
+    process_group=None, ...)``; the package re-exports the same function, both names are replaced) by
+    ``make(original)``. A caller that bound ``load`` by name before is not covered; ``dcp.load(...)`` is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_loader
+
+    original = vars(state_dict_loader).get("load")
+    if not signature_starts(original, ("state_dict",)) or "process_group" not in inspect.signature(
+            original).parameters:
+        raise missing("torch", "torch.distributed.checkpoint.state_dict_loader.load(state_dict, *, process_group)")
+    if vars(dcp).get("load") is not original:
+        raise missing("torch", "torch.distributed.checkpoint.load as state_dict_loader.load")
+    replaced = make(original)
+    undos = [replace_global(state_dict_loader, "load", lambda _: replaced),
+             replace_global(dcp, "load", lambda _: replaced)]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+    return undo
+

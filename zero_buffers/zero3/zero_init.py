@@ -18,7 +18,8 @@ from .._core import (
     wire as _wire,
 )
 from ..broadcast import broadcast_buffers
-from ..errors import InvalidArgumentError, ZeroBuffersError
+from ..fsdp import loads as _loads
+from ..errors import DeepSpeedUnavailableError, InvalidArgumentError, ZeroBuffersError
 from ..precision import keep as _keep
 from . import _owners
 from .gathered import _Commit, resolve_group
@@ -218,7 +219,6 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
         zero_buffers.install()
         model = AutoModel.from_pretrained(path)   # under ZeRO-3: buffers now agree on every rank
     """
-    ds_compat.partition_parameters()
     src = _args.rank(src, "src", "install")
     seconds = _args.timeout(timeout, "install")
     if not isinstance(keep_precision, bool):
@@ -229,15 +229,20 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
                                        f"{_kept_spec[0] if _kept_spec else False!r}; call uninstall() first to "
                                        "change it")
         return _Installed(owner=False)
+    deepspeed = _deepspeed_importable()
+    if keep_precision is not False and not deepspeed:
+        ds_compat.partition_parameters()  # DeepSpeedUnavailableError: what keep_precision keeps is DeepSpeed's
     try:
-        _undo.append(ds_compat.on_module_converted(_owners.remember))
-        if keep_precision is not False:
-            spec = None if keep_precision is True else keep_precision
-            _undo.append(_keep.keep_everywhere(spec, "install"))
-            _kept_spec.append(keep_precision)
-            _undo.append(_kept_spec.clear)
-        _undo.append(_patch_init_context(src, seconds))
-        _undo.append(_patch_gathered_parameters(seconds))
+        _undo.append(_loads.install(seconds))
+        if deepspeed:
+            _undo.append(ds_compat.on_module_converted(_owners.remember))
+            if keep_precision is not False:
+                spec = None if keep_precision is True else keep_precision
+                _undo.append(_keep.keep_everywhere(spec, "install"))
+                _kept_spec.append(keep_precision)
+                _undo.append(_kept_spec.clear)
+            _undo.append(_patch_init_context(src, seconds))
+            _undo.append(_patch_gathered_parameters(seconds))
         undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
         if undo_hf is not None:
             _undo.append(undo_hf)
@@ -245,6 +250,15 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
         uninstall()
         raise
     return _Installed(owner=True)
+
+
+def _deepspeed_importable() -> bool:
+    """Whether DeepSpeed imports (and has what install() patches: a DependencyError otherwise)."""
+    try:
+        ds_compat.partition_parameters()
+    except DeepSpeedUnavailableError:
+        return False
+    return True
 
 
 def uninstall() -> None:

@@ -1,0 +1,182 @@
+"""The FSDP2-era loads ``install()`` follows: after each, every buffer of the loaded model takes rank 0's values.
+
+[Note: loads install() follows]
+A load that puts one rank's checkpoint into a model on every rank carries the model's state-dict entries only, and
+leaves the rest as each rank had it: non-persistent buffers (a rotary ``inv_freq``, cached masks) hold whatever
+``to_empty()`` allocated, are still on ``meta``, or were computed by each rank on its own. While ``install()`` is
+active, each of these ends with one ``broadcast_buffers(model, src=0, group=..., materialize=True)`` over the ranks
+the load itself ran over, so every buffer, persistent or not, is rank 0's, bit for bit, and a buffer left on
+``meta`` on some ranks is allocated there (the first such load fixes a ``fully_shard`` of a module built on
+``meta`` on some ranks):
+
+* ``set_model_state_dict`` / ``set_state_dict`` with ``StateDictOptions(full_state_dict=True,
+  broadcast_from_rank0=True)``: torch broadcasts rank 0's state dict over the default group, so the sync runs from
+  global rank 0 over the default group (under HSDP every rank of the mesh, replicate and shard dimensions alike:
+  buffers are replicated over both). Without ``broadcast_from_rank0`` every rank loaded the state dict it passed
+  itself, and nothing is synced: which rank's values are right is the caller's to say (``buffer_report`` tells
+  whether they agree; ``broadcast_buffers`` picks one);
+* ``torch.distributed.checkpoint.load(state_dict, process_group=pg)`` where ``state_dict`` (or one of its values)
+  is a dict ``get_model_state_dict`` / ``get_state_dict`` returned while installed: every rank read the same
+  persistent entries from the files; the buffers DCP never saved are synced from rank 0 of ``pg`` (the default
+  group when None). A state dict from ``model.state_dict()`` names no model and is not followed, nor is a load
+  through a ``Stateful`` (its own ``load_state_dict`` runs ``set_state_dict``, covered as above), nor
+  ``no_dist=True``;
+* Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
+  entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``); while
+  installed the persistent buffers are taken out of the model for that loop (parameters load as Accelerate does),
+  put back with rank 0's values from ``full_sd`` on rank 0, and the sync runs from global rank 0 (Accelerate's
+  ``is_main_process``, the source of its own broadcasts) over the default group once ``fsdp2_prepare_model``
+  re-registered the non-persistent buffers (each rank's own copy), or at once when the load is called directly.
+
+A load that raised is not followed by a sync. The sync is the transaction of ``broadcast_buffers``: a structure
+that differs (a rank built another model) raises the same ``BufferStructureError`` on every rank.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._compat import accelerate as acc_compat, torch as torch_compat
+from ..broadcast import broadcast_buffers
+
+_state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
+_REMEMBERED = 64  # state dicts remembered at most (the newest); one per get_model_state_dict call
+_preparing: list[list[nn.Module]] = []  # per fsdp2_prepare_model in progress: the models its load filled
+
+
+def install(timeout: float | None) -> Callable[[], None]:
+    """Wrap the loads of [Note: loads install() follows]; returns the undo (the identical originals back)."""
+    undos: list[Callable[[], None]] = []
+    try:
+        undos.append(torch_compat.patch_model_state_dict_load(lambda original: _set_then_sync(original, timeout)))
+        undos.append(torch_compat.patch_model_state_dict_get(_remembering))
+        undos.append(torch_compat.patch_dcp_load(lambda original: _dcp_load_then_sync(original, timeout)))
+        accelerate = acc_compat.patch_fsdp2_loading(lambda original: _accelerate_load(original, timeout),
+                                                    lambda original: _accelerate_prepare(original, timeout))
+        if accelerate is not None:
+            undos.append(accelerate)
+    except BaseException:
+        for u in reversed(undos):
+            u()
+        raise
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+        _state_dicts.clear()
+    return undo
+
+
+def _sync(model: nn.Module, group: Any, timeout: float | None) -> None:
+    """[Note: loads install() follows]: one structure-checked sync of every buffer from rank 0 of ``group``."""
+    broadcast_buffers(model, src=0, group=group, timeout=timeout, materialize=True)
+
+
+def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
+    def _load_model_state_dict(model: nn.Module, state_dict: Any, info: Any) -> Any:
+        result = original(model, state_dict, info)
+        if torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module):
+            _sync(model, None, timeout)  # [Note: loads install() follows]
+        return result
+    return _load_model_state_dict
+
+
+def _value_ids(state_dict: dict) -> tuple[int, ...]:
+    return tuple(id(v) for v in state_dict.values())
+
+
+def _remembering(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
+        state_dict = original(model, info)
+        if isinstance(state_dict, dict) and state_dict and isinstance(model, nn.Module):
+            for key in [k for k, (ref, _) in _state_dicts.items() if ref() is None]:
+                del _state_dicts[key]
+            while len(_state_dicts) >= _REMEMBERED:
+                del _state_dicts[next(iter(_state_dicts))]
+            _state_dicts[id(state_dict)] = (weakref.ref(model), _value_ids(state_dict))
+        return state_dict
+    return _get_model_state_dict
+
+
+def _models_of(state_dict: Any) -> list[nn.Module]:
+    """The models whose ``get_model_state_dict`` output ``state_dict`` is or holds as a value, in key order (the
+    same on every rank: DCP requires the same keys everywhere)."""
+    found: list[nn.Module] = []
+    candidates = [state_dict] + (list(state_dict.values()) if isinstance(state_dict, dict) else [])
+    for d in candidates:
+        entry = _state_dicts.get(id(d)) if isinstance(d, dict) else None
+        model = entry[0]() if entry is not None else None
+        if model is not None and entry is not None and entry[1] == _value_ids(d) and all(m is not model for m in found):
+            found.append(model)
+    return found
+
+
+def _dcp_load_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
+    def load(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        models = _models_of(state_dict)  # before: a load may put new values into the dict
+        result = original(state_dict, *args, **kwargs)
+        if not kwargs.get("no_dist", False):
+            for model in models:
+                _sync(model, kwargs.get("process_group"), timeout)  # [Note: loads install() follows]
+        return result
+    return load
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(owner, name) of every persistent buffer: the entries of ``model.state_dict()`` that are not parameters."""
+    return [(m, name) for m in model.modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def _accelerate_load(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
+    def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: dict, *args: Any,
+                                   **kwargs: Any) -> Any:
+        main = acc_compat.is_main_process(accelerator)
+        names = {id(m): prefix for prefix, m in model.named_modules()}
+        held = _persistent_buffers(model)
+        orders = {id(m): list(m._buffers) for m, _ in held}
+        taken = {(id(m), n): m._buffers.pop(n) for m, n in held}  # Accelerate's loop then sees parameters only
+        try:
+            result = original(accelerator, model, full_sd, *args, **kwargs)
+        finally:
+            for m, n in held:
+                key = f"{names[id(m)]}.{n}" if names[id(m)] else n
+                value = taken[(id(m), n)]
+                if main and isinstance(full_sd.get(key), torch.Tensor):
+                    value = full_sd[key].detach().to(device=_device(model, value))
+                m._buffers[n] = value
+            for m in {id(m): m for m, _ in held}.values():
+                for name in orders[id(m)]:  # the buffers in their order again: named_buffers walks it
+                    m._buffers[name] = m._buffers.pop(name)
+        if _preparing:
+            _preparing[-1].append(model)  # synced once fsdp2_prepare_model re-registered the non-persistent ones
+        else:
+            _sync(model, None, timeout)  # [Note: loads install() follows]
+        return result
+    return fsdp2_load_full_state_dict
+
+
+def _device(model: nn.Module, buffer: torch.Tensor) -> torch.device:
+    """Where a buffer put back belongs: beside the model's first parameter not on meta, else where it was."""
+    for p in model.parameters():
+        local = p.to_local() if torch_compat.is_dtensor(p) else p
+        if not local.is_meta:
+            return local.device
+    return buffer.device if not buffer.is_meta else torch.device("cpu")
+
+
+def _accelerate_prepare(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
+    def fsdp2_prepare_model(accelerator: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        _preparing.append([])
+        try:
+            result = original(accelerator, model, *args, **kwargs)
+        finally:
+            loaded = _preparing.pop()
+        for m in loaded:
+            _sync(m, None, timeout)  # [Note: loads install() follows]
+        return result
+    return fsdp2_prepare_model
