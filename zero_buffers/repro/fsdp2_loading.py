@@ -135,13 +135,14 @@ def load_dcp(kind: Kind, rank: int, folder: str) -> nn.Module:
 
 
 def load_accelerate(kind: Kind, rank: int, folder: str) -> nn.Module:
-    """Accelerate's ``fsdp2_load_full_state_dict`` (what ``prepare`` runs under ``cpu_ram_efficient_loading``;
-    called directly: on CPU ``prepare`` with an FSDP plugin wraps the model in DDP instead) into the meta model."""
+    """Accelerate's ``fsdp2_load_full_state_dict`` (what ``prepare`` runs under ``cpu_ram_efficient_loading``, looked
+    up where ``fsdp2_prepare_model`` looks it up; called directly: on CPU ``prepare`` with an FSDP plugin wraps the
+    model in DDP instead) into the model, on meta but on rank 0."""
     from accelerate import Accelerator
-    from accelerate.utils import fsdp2_load_full_state_dict
+    from accelerate.utils import fsdp_utils
 
     model, full = start(kind, rank, to_empty=False)
-    fsdp2_load_full_state_dict(Accelerator(cpu=True), model, full)
+    fsdp_utils.fsdp2_load_full_state_dict(Accelerator(cpu=True), model, full)
     return model
 
 
