@@ -196,7 +196,8 @@ def measure(kind: Kind, model: nn.Module | None, error: str | None, reference: n
         ranks = [None] * world
         dist.all_gather_object(ranks, any(b.is_meta for b in buffers.values()))
         where = _ranks([r for r, m in enumerate(ranks) if m])
-        return After([f"{int(on_meta)} on meta (rank {where})", "no data", "-", "cannot run: buffers on meta"],
+        return After([f"{int(on_meta)} on meta (rank{'s' if len(where) > 1 else ''} {where})", "no data", "-",
+                      "cannot run: buffers on meta"],
                      True, False)
     rows = zb.buffer_report(model).rows
     differing = [r for r in rows if not r.in_sync]

@@ -1,0 +1,178 @@
+"""What install() adds to FSDP2's rank-0 load, ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0)``.
+
+    python benchmarks/fsdp2_load.py            # 1 GiB of parameters, 1 MiB of buffers, 2 gloo ranks
+    python benchmarks/fsdp2_load.py --quick    # 64 KiB of parameters: checks every output, claims nothing
+
+The model: 16 blocks of a bias-free ``Linear(4096, 4096)`` (fp32: 1 GiB of parameters in all), a ``BatchNorm1d(4096)``
+(persistent statistics, 32 KiB) and a non-persistent 8192-entry table (32 KiB, a rotary table's kind): 1 MiB of
+buffers. Rank 0 builds it for real and holds its full state dict; every other rank builds it on ``meta`` and
+``to_empty``s it; every block and the root are ``fully_shard``'ed. Then, side by side (the methods take turns call by
+call, median of the slowest rank):
+
+- ``load``: ``set_model_state_dict(model, full, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``,
+  which carries the state-dict entries only (the non-persistent table stays what ``to_empty`` left);
+- ``load_under_install``: the same call inside ``with zero_buffers.install():`` (install and uninstall counted too),
+  after which every buffer equals rank 0's;
+- ``load_then_broadcast_buffers``: the load, then ``zero_buffers.broadcast_buffers(model, materialize=True)``, the
+  one line for a loop no patch reaches;
+- ``broadcast_buffers`` alone and ``install_uninstall`` alone (``install()`` then ``uninstall()``, no load).
+
+Before timing, each method's outcome is checked: after the plain load the tables differ across ranks (counted in
+``buffers_apart_after_load``), after the other two every buffer equals rank 0's.
+
+Writes ``results.json``, ``results.md`` and ``fsdp2_load.png`` into the output folder (default
+``benchmarks/results/fsdp2_load``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import harness
+import zero_buffers as zb
+
+SECTION = "fsdp2_load"
+
+
+class Block(nn.Module):
+    """A bias-free square Linear, a BatchNorm1d over its features and a non-persistent table twice as long."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width, bias=False)
+        self.norm = nn.BatchNorm1d(width)
+        self.register_buffer("table", 1.0 / 10000.0 ** (torch.arange(2 * width) / (2 * width)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x)) * self.table[: x.shape[-1]]
+
+
+def build(rank: int, blocks: int, width: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Rank 0: the real model (trained-looking statistics) and its full state dict; others: meta, then to_empty."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("cpu" if rank == 0 else "meta"):
+        model = nn.Sequential(*[Block(width) for _ in range(blocks)])
+    full: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        with torch.no_grad():
+            for block in model:
+                block.norm.running_mean.uniform_(-1, 1)
+                block.norm.running_var.uniform_(0.5, 2)
+        full = model.state_dict()
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    if rank:
+        model.to_empty(device="cpu")
+    return model, full
+
+
+def bench_fsdp2_load(ctx: dict) -> list[dict]:
+    """The rank-0 load alone, under install(), and followed by broadcast_buffers; side by side."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    blocks, width = (4, 64) if ctx["quick"] else (16, 4096)
+    model, full = build(ctx["rank"], blocks, width)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def load() -> None:  # a fresh dict each call: set_model_state_dict puts its DTensors into the one it is given
+        set_model_state_dict(model, dict(full), options=options)
+
+    def under_install() -> None:
+        with zb.install():
+            load()
+
+    def then_broadcast() -> None:
+        load()
+        zb.broadcast_buffers(model, materialize=True)
+
+    def install_uninstall() -> None:
+        zb.install()
+        zb.uninstall()
+
+    load()
+    apart = len(zb.buffer_report(model).out_of_sync)
+    if apart == 0:
+        raise AssertionError("after the plain load every buffer already agrees: nothing for install() to fix")
+    for method in (under_install, then_broadcast):
+        model.apply(lambda m: m.table.normal_() if isinstance(m, Block) and ctx["rank"] else None)  # garbage again
+        method()
+        harness.check_equal_to_src(model)
+    params = sum(p.numel() * p.element_size() for p in full.values() if p.is_floating_point()) if ctx["rank"] == 0 \
+        else 0
+    sizes = torch.tensor([params, sum(b.numel() * b.element_size() for b in model.buffers())], dtype=torch.float64)
+    dist.broadcast(sizes, 0)
+    t = harness.timed_together({"load": load, "load_under_install": under_install,
+                                "load_then_broadcast_buffers": then_broadcast,
+                                "broadcast_buffers": functools.partial(zb.broadcast_buffers, model),
+                                "install_uninstall": install_uninstall}, ctx["repeats"], ctx["device"])
+    row = {"what": f"set_model_state_dict(broadcast_from_rank0), {blocks} blocks of {width}x{width}",
+           "params_MB": float(sizes[0]) / 2 ** 20, "buffers_MB": float(sizes[1]) / 2 ** 20,
+           "buffers_apart_after_load": apart, **t, "install_over_load": t["load_under_install"] / t["load"],
+           "broadcast_over_load": t["load_then_broadcast_buffers"] / t["load"],
+           "install_added_pct": 100 * (t["load_under_install"] / t["load"] - 1)}
+    ctx["log"](f"load {t['load']:.3f} s, under install() {t['load_under_install']:.3f} s "
+               f"({row['install_over_load']:.3f}x), + broadcast_buffers {t['load_then_broadcast_buffers']:.3f} s")
+    return [row]
+
+
+def plot(row: dict, meta: dict, path: Path) -> bool:
+    """fsdp2_load.png: one bar per method, seconds, with each load's ratio to the load alone."""
+    try:
+        plt = harness.pyplot()
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return False
+    names = ["load", "load_under_install", "load_then_broadcast_buffers", "broadcast_buffers", "install_uninstall"]
+    labels = ["load", "load under\ninstall()", "load +\nbroadcast_buffers", "broadcast_buffers\nalone",
+              "install() +\nuninstall()"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    bars = ax.bar(labels, [row[n] for n in names], color=["#777777", "#1f77b4", "#2ca02c", "#98df8a", "#aec7e8"])
+    for bar, n in zip(bars, names):
+        ratio = row[n] / row["load"]
+        ax.annotate(f"{row[n]:.3g} s\n{ratio:.3f}x load" if n.startswith("load") else f"{row[n] * 1e3:.3g} ms",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds (median, slowest rank)")
+    ax.set_title(f"FSDP2 rank-0 load of {row['params_MB']:.0f} MiB of parameters, {row['buffers_MB']:.2g} MiB of "
+                 f"buffers\n{meta['world']} gloo ranks, {meta['machine']}, torch {meta['torch']}", fontsize=9)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 repeats: correctness only")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / SECTION)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    run = argparse.Namespace(only=[SECTION], quick=args.quick, repeats=args.repeats, cuda_gloo=False)
+    result = harness.run_world(args.world, run, {SECTION: bench_fsdp2_load})
+    meta = {"when": harness.utc_now(), "machine": harness.machine(), "torch": torch.__version__,
+            "quick": args.quick, "world": args.world, "seconds": round(time.perf_counter() - started, 1)}
+    harness.write_json(args.out / "results.json", {"meta": meta, "runs": [result]})
+    md = harness.markdown([result], meta)
+    (args.out / "results.md").write_text(md)
+    plotted = plot(result["results"][SECTION][0], meta, args.out / f"{SECTION}.png")
+    print(md)
+    print(f"\nwrote {args.out / 'results.json'}, results.md{f', {SECTION}.png' if plotted else ''} "
+          f"in {meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
