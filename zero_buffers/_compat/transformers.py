@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -76,3 +77,21 @@ def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int]) -> Ca
         return classmethod(from_pretrained)
 
     return replace(cls, "from_pretrained", make)
+
+
+def fsdp_rank0_loading() -> bool:
+    """transformers' own ``is_fsdp_enabled()``: under Accelerate's FSDP with ``cpu_ram_efficient_loading``
+    (``ACCELERATE_USE_FSDP`` and ``FSDP_CPU_RAM_EFFICIENT_LOADING`` set, a process group up), where 4.x loads the
+    checkpoint on local rank 0 only (``integrations.fsdp``; 5.x: ``distributed.fsdp``). False when transformers was
+    not imported."""
+    if "transformers" not in sys.modules:
+        return False
+    for name in ("transformers.distributed.fsdp", "transformers.integrations.fsdp"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        check = getattr(module, "is_fsdp_enabled", None)
+        if callable(check):
+            return bool(check())
+    raise missing("transformers", "is_fsdp_enabled in distributed.fsdp (5.x) or integrations.fsdp (4.x)")

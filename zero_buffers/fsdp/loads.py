@@ -26,7 +26,11 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   installed the persistent buffers are taken out of the model for that loop (parameters load as Accelerate does),
   put back with rank 0's values from ``full_sd`` on rank 0, and the sync runs from global rank 0 (Accelerate's
   ``is_main_process``, the source of its own broadcasts) over the default group once ``fsdp2_prepare_model``
-  re-registered the non-persistent buffers (each rank's own copy), or at once when the load is called directly.
+  re-registered the non-persistent buffers (each rank's own copy), or at once when the load is called directly;
+* transformers' ``from_pretrained`` while its ``is_fsdp_enabled()`` holds (Accelerate's FSDP with
+  ``cpu_ram_efficient_loading``: 4.x loads the checkpoint on local rank 0 only, the others keep what the
+  constructor made): from global rank 0 over the default group, as it returns (its parameters are Accelerate's
+  to broadcast at ``prepare``).
 
 A load that raised is not followed by a sync. The sync is the transaction of ``broadcast_buffers``: a structure
 that differs (a rank built another model) raises the same ``BufferStructureError`` on every rank.
@@ -74,6 +78,11 @@ def install(timeout: float | None) -> Callable[[], None]:
 def _sync(model: nn.Module, group: Any, timeout: float | None) -> None:
     """[Note: loads install() follows]: one structure-checked sync of every buffer from rank 0 of ``group``."""
     broadcast_buffers(model, src=0, group=group, timeout=timeout, materialize=True)
+
+
+def after_rank0_load(model: nn.Module, timeout: float | None) -> None:
+    """``from_pretrained`` under Accelerate's FSDP rank-0 loading ([Note: loads install() follows])."""
+    _sync(model, None, timeout)
 
 
 def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:

@@ -397,12 +397,16 @@ def _patch_gathered_parameters(timeout: float | None) -> Callable[[], None]:
 
 
 def _after_from_pretrained(model: Any, src: int, timeout: float | None) -> None:
-    """Under ZeRO-3, every buffer of a model transformers just loaded takes ``src``'s value (over its DP group)."""
-    if not isinstance(model, nn.Module) or not hf_compat.zero3_enabled():
+    """Under ZeRO-3, every buffer of a model transformers just loaded takes ``src``'s value (over its DP group);
+    under Accelerate's FSDP rank-0 loading, global rank 0's (over the default group; a buffer on meta is allocated)."""
+    if not isinstance(model, nn.Module):
         return
-    zero = [p for p in model.parameters() if ds_compat.is_zero_param(p)]
-    group = ds_compat.process_group(zero[0]) if zero else None
-    broadcast_buffers(model, src=src, group=group, timeout=timeout)
+    if hf_compat.zero3_enabled():
+        zero = [p for p in model.parameters() if ds_compat.is_zero_param(p)]
+        group = ds_compat.process_group(zero[0]) if zero else None
+        broadcast_buffers(model, src=src, group=group, timeout=timeout)
+    elif hf_compat.fsdp_rank0_loading():
+        _loads.after_rank0_load(model, timeout)  # [Note: loads install() follows]
 
 
 def _warn_once(key: str, message: str) -> None:
