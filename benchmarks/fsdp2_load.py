@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import harness
@@ -107,16 +106,13 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
         model.apply(lambda m: m.table.normal_() if isinstance(m, Block) and ctx["rank"] else None)  # garbage again
         method()
         harness.check_equal_to_src(model)
-    params = sum(p.numel() * p.element_size() for p in full.values() if p.is_floating_point()) if ctx["rank"] == 0 \
-        else 0
-    sizes = torch.tensor([params, sum(b.numel() * b.element_size() for b in model.buffers())], dtype=torch.float64)
-    dist.broadcast(sizes, 0)
+    sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in (model.parameters(), model.buffers())]  # global
     t = harness.timed_together({"load": load, "load_under_install": under_install,
                                 "load_then_broadcast_buffers": then_broadcast,
                                 "broadcast_buffers": functools.partial(zb.broadcast_buffers, model),
                                 "install_uninstall": install_uninstall}, ctx["repeats"], ctx["device"])
     row = {"what": f"set_model_state_dict(broadcast_from_rank0), {blocks} blocks of {width}x{width}",
-           "params_MB": float(sizes[0]) / 2 ** 20, "buffers_MB": float(sizes[1]) / 2 ** 20,
+           "params_MB": sizes[0] / 2 ** 20, "buffers_MB": sizes[1] / 2 ** 20,
            "buffers_apart_after_load": apart, **t, "install_over_load": t["load_under_install"] / t["load"],
            "broadcast_over_load": t["load_then_broadcast_buffers"] / t["load"],
            "install_added_pct": 100 * (t["load_under_install"] / t["load"] - 1)}
@@ -142,7 +138,7 @@ def plot(row: dict, meta: dict, path: Path) -> bool:
         ax.annotate(f"{row[n]:.3g} s\n{ratio:.3f}x load" if n.startswith("load") else f"{row[n] * 1e3:.3g} ms",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("seconds (median, slowest rank)")
-    ax.set_title(f"FSDP2 rank-0 load of {row['params_MB']:.0f} MiB of parameters, {row['buffers_MB']:.2g} MiB of "
+    ax.set_title(f"FSDP2 rank-0 load of {row['params_MB']:.4g} MiB of parameters, {row['buffers_MB']:.2g} MiB of "
                  f"buffers\n{meta['world']} gloo ranks, {meta['machine']}, torch {meta['torch']}", fontsize=9)
     ax.margins(y=0.2)
     fig.tight_layout()
