@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -107,15 +108,18 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
         method()
         harness.check_equal_to_src(model)
     sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in (model.parameters(), model.buffers())]  # global
+    samples: dict[str, list[float]] = {}
     t = harness.timed_together({"load": load, "load_under_install": under_install,
                                 "load_then_broadcast_buffers": then_broadcast,
                                 "broadcast_buffers": functools.partial(zb.broadcast_buffers, model),
-                                "install_uninstall": install_uninstall}, ctx["repeats"], ctx["device"])
+                                "install_uninstall": install_uninstall}, ctx["repeats"], ctx["device"], rotate=True,
+                               samples=samples)
     row = {"what": f"set_model_state_dict(broadcast_from_rank0), {blocks} blocks of {width}x{width}",
            "params_MB": sizes[0] / 2 ** 20, "buffers_MB": sizes[1] / 2 ** 20,
            "buffers_apart_after_load": apart, **t, "install_over_load": t["load_under_install"] / t["load"],
            "broadcast_over_load": t["load_then_broadcast_buffers"] / t["load"],
-           "install_added_pct": 100 * (t["load_under_install"] / t["load"] - 1)}
+           "install_added_pct": 100 * (t["load_under_install"] / t["load"] - 1),
+           "samples": {k: [round(x, 6) for x in v] for k, v in samples.items()}}
     ctx["log"](f"load {t['load']:.3f} s, under install() {t['load_under_install']:.3f} s "
                f"({row['install_over_load']:.3f}x), + broadcast_buffers {t['load_then_broadcast_buffers']:.3f} s")
     return [row]
@@ -147,10 +151,22 @@ def plot(row: dict, meta: dict, path: Path) -> bool:
     return True
 
 
+def markdown(result: dict, meta: dict) -> str:
+    """harness.markdown's tables (the every-call samples left out), then each method's spread over the repeats."""
+    rows = result["results"][SECTION]
+    lines = [harness.markdown([{**result, "results": {SECTION: [{k: v for k, v in r.items() if k != "samples"}
+                                                                for r in rows]}}], meta).rstrip(), "",
+             f"Every call, {len(next(iter(rows[0]['samples'].values())))} repeats after 2 warm-up rounds, the methods "
+             "taking turns (each round starting one method later): slowest rank's seconds.", ""]
+    spread = [[name, f"{min(v):.4f}", f"{statistics.median(v):.4f}", f"{max(v):.4f}"]
+              for name, v in rows[0]["samples"].items()]
+    return "\n".join(lines + harness.md_table(["method", "min", "median", "max"], spread)) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 3 repeats: correctness only")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / SECTION)
     args = parser.parse_args(argv)
@@ -161,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": harness.utc_now(), "machine": harness.machine(), "torch": torch.__version__,
             "quick": args.quick, "world": args.world, "seconds": round(time.perf_counter() - started, 1)}
     harness.write_json(args.out / "results.json", {"meta": meta, "runs": [result]})
-    md = harness.markdown([result], meta)
+    md = markdown(result, meta)
     (args.out / "results.md").write_text(md)
     plotted = plot(result["results"][SECTION][0], meta, args.out / f"{SECTION}.png")
     print(md)

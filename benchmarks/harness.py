@@ -121,15 +121,22 @@ def _once(fn: Callable[[], Any], device: torch.device) -> float:
     return float(elapsed)
 
 
-def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device) -> dict[str, float]:
+def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, rotate: bool = False,
+                   samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median over ``repeats`` of each method's slowest-rank seconds; the methods take turns call by call, so
-    drift on a shared machine hits every method alike and their ratios are measured side by side."""
+    drift on a shared machine hits every method alike and their ratios are measured side by side. ``rotate``: each
+    round starts one method later (for long calls, where the call after the round's break would be the only one to
+    pay for what the previous round left behind); ``samples``, when given, receives every measured time by method."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
     for i in range(repeats + 2):  # two warm-up rounds
-        for name, fn in fns.items():
-            t = _once(fn, device)
+        turn = names[i % len(names):] + names[:i % len(names)] if rotate else names
+        for name in turn:
+            t = _once(fns[name], device)
             if i >= 2:
                 times[name].append(t)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
