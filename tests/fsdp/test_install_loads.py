@@ -30,7 +30,7 @@ def _llama_config():
     from transformers import LlamaConfig
     return LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                       initializer_range=float(os.environ.get("ZB_INIT_RANGE", "0.02")))
+                       initializer_range=1.0)  # weights large enough that positions decide the greedy tokens
 
 
 def _llama(real: bool):
@@ -356,3 +356,41 @@ def test_from_pretrained_under_accelerates_fsdp_loading_gives_every_rank_rank0s_
     if package_major("transformers") < 5:  # 4.x: only local rank 0 loads; the others keep the constructor's values
         assert _damage(without)["buffers_differing"] > 0
     _check_fixed(with_)
+
+
+# ============================================================================================ install / uninstall
+
+def _patched() -> dict[str, object]:
+    """Every function install() replaces for the FSDP2-era loads, by where it lives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dsd, state_dict_loader
+    found = {"dsd._load_model_state_dict": dsd._load_model_state_dict,
+             "dsd._get_model_state_dict": dsd._get_model_state_dict,
+             "dcp.load": dcp.load, "state_dict_loader.load": state_dict_loader.load}
+    from accelerate.utils import fsdp_utils
+    if "fsdp2_load_full_state_dict" in vars(fsdp_utils):  # Accelerate 1.1.0 has no FSDP2
+        import accelerate.accelerator
+        found["fsdp2_load_full_state_dict"] = fsdp_utils.fsdp2_load_full_state_dict
+        found["accelerator.fsdp2_prepare_model"] = accelerate.accelerator.fsdp2_prepare_model
+    return found
+
+
+@pytest.mark.stack
+def test_install_replaces_every_load_and_uninstall_puts_the_identical_functions_back():
+    before = _patched()
+    with zb.install():
+        during = _patched()
+        assert all(during[k] is not before[k] for k in before), [k for k in before if during[k] is before[k]]
+        assert not zb.install().owner and _patched() == during  # idempotent
+    assert all(_patched()[k] is before[k] for k in before)
+
+
+def test_a_torch_without_the_load_install_follows_is_a_dependency_error_and_nothing_stays_installed(monkeypatch):
+    from torch.distributed.checkpoint import state_dict_loader
+    before = _patched()
+    monkeypatch.delattr(state_dict_loader, "load")  # a torch whose DCP loads elsewhere (patched after two others)
+    with pytest.raises(zb.DependencyError, match=r"state_dict_loader\.load.* from torch 2"):
+        zb.install()
+    assert not zb.installed()
+    monkeypatch.undo()
+    assert all(_patched()[k] is before[k] for k in before)  # the two patched first were put back

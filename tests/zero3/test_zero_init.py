@@ -173,13 +173,19 @@ def test_install_covers_transformers_from_pretrained(ranks, tmp_path, use_instal
     assert same_noise == use_install  # the non-persistent buffer only agrees with install()
 
 
-def test_install_without_deepspeed_is_a_clear_error(monkeypatch):
+def test_install_without_deepspeed_installs_the_fsdp_loads_and_refuses_only_keep_precision(monkeypatch):
     import sys
+
+    from torch.distributed.checkpoint import state_dict as dsd
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero", None)
+    original = dsd._load_model_state_dict
     with pytest.raises(zb.DeepSpeedUnavailableError, match="need DeepSpeed"):
-        zb.install()
-    assert not zb.installed()
+        zb.install(keep_precision=True)  # what it keeps is what zero.Init converts and DeepSpeed engines
+    assert not zb.installed() and dsd._load_model_state_dict is original
+    with zb.install() as handle:
+        assert handle.owner and zb.installed() and dsd._load_model_state_dict is not original
+    assert not zb.installed() and dsd._load_model_state_dict is original
 
 
 def _init_with_module(rank, world):

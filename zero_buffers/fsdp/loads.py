@@ -22,9 +22,10 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   through a ``Stateful`` (its own ``load_state_dict`` runs ``set_state_dict``, covered as above), nor
   ``no_dist=True``;
 * Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
-  entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``); while
-  installed the persistent buffers are taken out of the model for that loop (parameters load as Accelerate does),
-  put back with rank 0's values from ``full_sd`` on rank 0, and the sync runs from global rank 0 (Accelerate's
+  entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``). While
+  installed, a model without persistent buffers loads through Accelerate's own loop; one with them through torch's
+  ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` (its ``cpu_offload`` passed on), which
+  carries parameters and persistent buffers from rank 0 alike. The sync then runs from global rank 0 (Accelerate's
   ``is_main_process``, the source of its own broadcasts) over the default group once ``fsdp2_prepare_model``
   re-registered the non-persistent buffers (each rank's own copy), or at once when the load is called directly;
 * transformers' ``from_pretrained`` while its ``is_fsdp_enabled()`` holds (Accelerate's FSDP with
@@ -41,7 +42,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from .._compat import accelerate as acc_compat, torch as torch_compat
@@ -50,6 +50,7 @@ from ..broadcast import broadcast_buffers
 _state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
 _REMEMBERED = 64  # state dicts remembered at most (the newest); one per get_model_state_dict call
 _preparing: list[list[nn.Module]] = []  # per fsdp2_prepare_model in progress: the models its load filled
+_quiet: list[bool] = []  # a load of ours inside Accelerate's: its own sync comes later
 
 
 def install(timeout: float | None) -> Callable[[], None]:
@@ -88,7 +89,7 @@ def after_rank0_load(model: nn.Module, timeout: float | None) -> None:
 def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
     def _load_model_state_dict(model: nn.Module, state_dict: Any, info: Any) -> Any:
         result = original(model, state_dict, info)
-        if torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module):
+        if torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module) and not _quiet:
             _sync(model, None, timeout)  # [Note: loads install() follows]
         return result
     return _load_model_state_dict
@@ -135,47 +136,33 @@ def _dcp_load_then_sync(original: Callable[..., Any], timeout: float | None) -> 
     return load
 
 
-def _persistent_buffers(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(owner, name) of every persistent buffer: the entries of ``model.state_dict()`` that are not parameters."""
-    return [(m, name) for m in model.modules() for name, b in m._buffers.items()
-            if b is not None and name not in m._non_persistent_buffers_set]
+def _has_persistent_buffers(model: nn.Module) -> bool:
+    return any(b is not None and name not in m._non_persistent_buffers_set
+               for m in model.modules() for name, b in m._buffers.items())
 
 
 def _accelerate_load(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
     def fsdp2_load_full_state_dict(accelerator: Any, model: nn.Module, full_sd: dict, *args: Any,
                                    **kwargs: Any) -> Any:
-        main = acc_compat.is_main_process(accelerator)
-        names = {id(m): prefix for prefix, m in model.named_modules()}
-        held = _persistent_buffers(model)
-        orders = {id(m): list(m._buffers) for m, _ in held}
-        taken = {(id(m), n): m._buffers.pop(n) for m, n in held}  # Accelerate's loop then sees parameters only
-        try:
+        acc_compat.is_main_process(accelerator)  # checked: the source of Accelerate's broadcasts is global rank 0
+        if _has_persistent_buffers(model):  # Accelerate's loop would fail on them: torch's own load from rank 0
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            offload = bool(kwargs.get("cpu_offload", args[0] if args else False))
+            _quiet.append(True)
+            try:
+                set_model_state_dict(model, full_sd, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True, cpu_offload=offload))
+            finally:
+                _quiet.pop()
+            result = model
+        else:
             result = original(accelerator, model, full_sd, *args, **kwargs)
-        finally:
-            for m, n in held:
-                key = f"{names[id(m)]}.{n}" if names[id(m)] else n
-                value = taken[(id(m), n)]
-                if main and isinstance(full_sd.get(key), torch.Tensor):
-                    value = full_sd[key].detach().to(device=_device(model, value))
-                m._buffers[n] = value
-            for m in {id(m): m for m, _ in held}.values():
-                for name in orders[id(m)]:  # the buffers in their order again: named_buffers walks it
-                    m._buffers[name] = m._buffers.pop(name)
         if _preparing:
             _preparing[-1].append(model)  # synced once fsdp2_prepare_model re-registered the non-persistent ones
         else:
             _sync(model, None, timeout)  # [Note: loads install() follows]
         return result
     return fsdp2_load_full_state_dict
-
-
-def _device(model: nn.Module, buffer: torch.Tensor) -> torch.device:
-    """Where a buffer put back belongs: beside the model's first parameter not on meta, else where it was."""
-    for p in model.parameters():
-        local = p.to_local() if torch_compat.is_dtensor(p) else p
-        if not local.is_meta:
-            return local.device
-    return buffer.device if not buffer.is_meta else torch.device("cpu")
 
 
 def _accelerate_prepare(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
