@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -157,7 +158,8 @@ def markdown(result: dict, meta: dict) -> str:
     lines = [harness.markdown([{**result, "results": {SECTION: [{k: v for k, v in r.items() if k != "samples"}
                                                                 for r in rows]}}], meta).rstrip(), "",
              f"Every call, {len(next(iter(rows[0]['samples'].values())))} repeats after 2 warm-up rounds, the methods "
-             "taking turns (each round starting one method later): slowest rank's seconds.", ""]
+             "taking turns (each round starting one method later): slowest rank's seconds. The machine's load "
+             f"average at the end (1, 5, 15 min): {', '.join(map(str, meta['load_average']))}.", ""]
     spread = [[name, f"{min(v):.4f}", f"{statistics.median(v):.4f}", f"{max(v):.4f}"]
               for name, v in rows[0]["samples"].items()]
     return "\n".join(lines + harness.md_table(["method", "min", "median", "max"], spread)) + "\n"
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     run = argparse.Namespace(only=[SECTION], quick=args.quick, repeats=args.repeats, cuda_gloo=False)
     result = harness.run_world(args.world, run, {SECTION: bench_fsdp2_load})
     meta = {"when": harness.utc_now(), "machine": harness.machine(), "torch": torch.__version__,
-            "quick": args.quick, "world": args.world, "seconds": round(time.perf_counter() - started, 1)}
+            "quick": args.quick, "world": args.world, "seconds": round(time.perf_counter() - started, 1),
+            "load_average": [round(x, 1) for x in os.getloadavg()]}  # 1, 5, 15 min, at the end: a shared machine
     harness.write_json(args.out / "results.json", {"meta": meta, "runs": [result]})
     md = markdown(result, meta)
     (args.out / "results.md").write_text(md)
