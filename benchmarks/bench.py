@@ -79,13 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": harness.utc_now(),
             "machine": harness.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
             "torch": torch.__version__, "quick": args.quick, "seconds": round(time.perf_counter() - started, 1)}
-    harness.write_json(args.out / "results.json", {"meta": meta, "runs": all_results})
-    md = harness.markdown(all_results, meta)
-    (args.out / "results.md").write_text(md)
     plotted = plot(all_results, args.out / "scaling.png")
-    print(md)
-    print(f"\nwrote {args.out / 'results.json'}, results.md{', scaling.png' if plotted else ''} "
-          f"in {meta['seconds']} s")
+    harness.write_outputs(args.out, {"meta": meta, "runs": all_results}, harness.markdown(all_results, meta),
+                          ["scaling.png"] if plotted else [])
     return 0
 
 

@@ -179,13 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": harness.utc_now(), "machine": harness.machine(), "torch": torch.__version__,
             "quick": args.quick, "world": args.world, "seconds": round(time.perf_counter() - started, 1),
             "load_average": [round(x, 1) for x in os.getloadavg()]}  # 1, 5, 15 min, at the end: a shared machine
-    harness.write_json(args.out / "results.json", {"meta": meta, "runs": [result]})
-    md = markdown(result, meta)
-    (args.out / "results.md").write_text(md)
     plotted = plot(result["results"][SECTION][0], meta, args.out / f"{SECTION}.png")
-    print(md)
-    print(f"\nwrote {args.out / 'results.json'}, results.md{f', {SECTION}.png' if plotted else ''} "
-          f"in {meta['seconds']} s")
+    harness.write_outputs(args.out, {"meta": meta, "runs": [result]}, markdown(result, meta),
+                          [f"{SECTION}.png"] if plotted else [])
     return 0
 
 

@@ -184,6 +184,16 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
+def write_outputs(out: Path, data: dict, md: str, figures: list[str]) -> None:
+    """``results.json`` (``data``, whose ``meta`` says how long the run took) and ``results.md`` into ``out``; the
+    Markdown printed, then what was written (with the ``figures`` drawn beside them)."""
+    write_json(out / "results.json", data)
+    (out / "results.md").write_text(md)
+    print(md)
+    print(f"\nwrote {out / 'results.json'}, results.md{''.join(f', {f}' for f in figures)} in "
+          f"{data['meta']['seconds']} s")
+
+
 def md_table(keys: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table's lines: the header ``keys``, the separator, then one line of cells per row."""
     return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys), *("| " + " | ".join(r) + " |" for r in rows)]
