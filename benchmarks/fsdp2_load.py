@@ -17,6 +17,11 @@ call, median of the slowest rank):
   one line for a loop no patch reaches;
 - ``broadcast_buffers`` alone and ``install_uninstall`` alone (``install()`` then ``uninstall()``, no load).
 
+Ratios: of the medians (``install_over_load``, ``broadcast_over_load``, ``install_added_pct``), and the median of
+each round's own ratio (``..._per_round``); ``sync_share_pct``: ``broadcast_buffers`` alone over the load, the work
+``install()`` adds to it (one sync of every buffer). On a shared machine a load's time varies far more than that
+work: ``samples`` keeps every call's time and ``results.md`` shows each method's spread.
+
 Before timing, each method's outcome is checked: after the plain load the tables differ across ranks (counted in
 ``buffers_apart_after_load``), after the other two every buffer equals rank 0's.
 
@@ -120,10 +125,18 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
            "buffers_apart_after_load": apart, **t, "install_over_load": t["load_under_install"] / t["load"],
            "broadcast_over_load": t["load_then_broadcast_buffers"] / t["load"],
            "install_added_pct": 100 * (t["load_under_install"] / t["load"] - 1),
+           "install_over_load_per_round": _per_round(samples, "load_under_install"),
+           "broadcast_over_load_per_round": _per_round(samples, "load_then_broadcast_buffers"),
+           "sync_share_pct": 100 * t["broadcast_buffers"] / t["load"],
            "samples": {k: [round(x, 6) for x in v] for k, v in samples.items()}}
     ctx["log"](f"load {t['load']:.3f} s, under install() {t['load_under_install']:.3f} s "
                f"({row['install_over_load']:.3f}x), + broadcast_buffers {t['load_then_broadcast_buffers']:.3f} s")
     return [row]
+
+
+def _per_round(samples: dict[str, list[float]], method: str) -> float:
+    """The median over rounds of ``method``'s time over the plain load's in the same round."""
+    return statistics.median(a / b for a, b in zip(samples[method], samples["load"]))
 
 
 def plot(row: dict, meta: dict, path: Path) -> bool:
