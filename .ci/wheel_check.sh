@@ -21,17 +21,22 @@ import zero_buffers as zb
 
 assert zb.__file__.startswith(sys.prefix), zb.__file__
 wings = {m.name for m in pkgutil.iter_modules(zb.__path__) if m.ispkg}
-assert wings == {"_compat", "_core", "bn", "doctor", "integrations", "precision", "training", "zero3"}, wings  # every wing shipped
+assert wings == {"_compat", "_core", "bn", "doctor", "fsdp", "integrations", "precision", "training", "zero3"}, wings  # every wing shipped
 report = zb.buffer_report(torch.nn.BatchNorm1d(3))
 assert len(report.rows) == 3 and not report.checked
 for missing in ("numpy", "deepspeed", "transformers", "accelerate"):
     assert importlib.util.find_spec(missing) is None, f"{missing} should not be installed here"
+from torch.distributed.checkpoint import state_dict as dsd
+original = dsd._load_model_state_dict
+with zb.install():  # without DeepSpeed, transformers and Accelerate: torch's loads only
+    assert zb.installed() and dsd._load_model_state_dict is not original
+assert not zb.installed() and dsd._load_model_state_dict is original
 try:
-    zb.install()
+    zb.install(keep_precision=True)
 except zb.DeepSpeedUnavailableError as e:
-    print("install() without DeepSpeed:", e)
+    print("install(keep_precision=True) without DeepSpeed:", e)
 else:
-    raise AssertionError("install() must need DeepSpeed")
+    raise AssertionError("install(keep_precision=True) must need DeepSpeed")
 print("core API from the wheel: ok")
 EOF
 listing="$("$work/venv/bin/zero-buffers" list)"

@@ -20,6 +20,7 @@ from torch import nn
 import zero_buffers as zb
 from tests.helpers import bitwise_equal
 
+pytestmark = pytest.mark.stack  # transformers' and Accelerate's loads: both dependency stacks
 TIMEOUT = 300
 TOKENS = 8
 
@@ -219,6 +220,25 @@ def test_fully_shard_of_a_model_left_on_meta_is_materialized_by_the_first_broadc
     assert all(o["tokens"] == with_[0]["tokens"] for o in with_)
 
 
+def _own_full_state_dict(rank, world):
+    """Every rank loads a full state dict of its own (no broadcast_from_rank0): its own BatchNorm statistics."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    model = _shard(_resnet(True))
+    own = _resnet(True).state_dict()
+    for name, t in own.items():
+        if "running_mean" in name:
+            t.fill_(float(rank))
+    with zb.install():
+        set_model_state_dict(model, own, options=StateDictOptions(full_state_dict=True))
+    return _buffers(model)
+
+
+def test_a_full_state_dict_load_without_broadcast_from_rank0_keeps_what_each_rank_loaded(ranks2):
+    out = ranks2.run(_own_full_state_dict, timeout=TIMEOUT)
+    means = [n for n in out[0] if n.endswith("running_mean")]
+    assert means and all(torch.equal(o[n], torch.full_like(o[n], float(r))) for r, o in enumerate(out) for n in means)
+
+
 # ============================================================================================ dcp.load
 
 def _dcp_load(rank, world, use_install, tmp):
@@ -300,7 +320,6 @@ def _accelerate_load(rank, world, use_install, model_kind, tmp):
         os.environ.update(env)
 
 
-@pytest.mark.stack
 def test_accelerate_fsdp2_load_keeps_rank_local_rotary_tables_without_install_and_rank0s_with_it(ranks):
     pytest.importorskip("accelerate.utils.fsdp_utils").__dict__.get("fsdp2_load_full_state_dict") or pytest.skip(
         "this Accelerate has no FSDP2 (1.1.0): nothing to load through")
@@ -313,7 +332,6 @@ def test_accelerate_fsdp2_load_keeps_rank_local_rotary_tables_without_install_an
     assert all(o["tokens"] == with_[0]["tokens"] and o["dcp_round_trip"] for o in with_)
 
 
-@pytest.mark.stack
 def test_accelerate_fsdp2_load_of_batchnorm_statistics_fails_without_install_and_loads_rank0s_with_it(ranks):
     pytest.importorskip("accelerate.utils.fsdp_utils").__dict__.get("fsdp2_load_full_state_dict") or pytest.skip(
         "this Accelerate has no FSDP2 (1.1.0): nothing to load through")
@@ -347,7 +365,6 @@ def _from_pretrained(rank, world, use_install, tmp):
     return {"buffers": _buffers(model)}
 
 
-@pytest.mark.stack
 def test_from_pretrained_under_accelerates_fsdp_loading_gives_every_rank_rank0s_buffers(ranks):
     from tests.helpers import package_major
     without, with_ = _run_both(ranks, _from_pretrained)
@@ -375,7 +392,6 @@ def _patched() -> dict[str, object]:
     return found
 
 
-@pytest.mark.stack
 def test_install_replaces_every_load_and_uninstall_puts_the_identical_functions_back():
     before = _patched()
     with zb.install():

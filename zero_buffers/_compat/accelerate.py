@@ -43,7 +43,8 @@ def _fsdp_utils() -> Any:
     return fsdp_utils, accelerator
 
 
-def patch_fsdp2_loading(make_load: Callable[[Any], Any], make_prepare: Callable[[Any], Any]) -> Callable[[], None] | None:
+def patch_fsdp2_loading(make_load: Callable[[Any], Any],
+                        make_prepare: Callable[[Any], Any]) -> Callable[[], None] | None:
     """Replace Accelerate's FSDP2 full-state-dict load, ``utils.fsdp_utils.fsdp2_load_full_state_dict(accelerator,
     model, full_sd, ...)`` (what ``fsdp2_prepare_model`` calls, by its module global, under
     ``cpu_ram_efficient_loading``), by ``make_load(original)``, and the ``fsdp2_prepare_model(accelerator, model)``
@@ -59,7 +60,8 @@ def patch_fsdp2_loading(make_load: Callable[[Any], Any], make_prepare: Callable[
         return None
     if not signature_starts(load, ("accelerator", "model", "full_sd")):
         raise missing("accelerate", "utils.fsdp_utils.fsdp2_load_full_state_dict(accelerator, model, full_sd)")
-    if not signature_starts(prepare, ("accelerator", "model")) or vars(accelerator).get("fsdp2_prepare_model") is not prepare:
+    bound = vars(accelerator).get("fsdp2_prepare_model")
+    if not signature_starts(prepare, ("accelerator", "model")) or bound is not prepare:
         raise missing("accelerate", "accelerator.fsdp2_prepare_model(accelerator, model) from utils.fsdp_utils")
     undos = [replace_global(fsdp_utils, "fsdp2_load_full_state_dict", make_load),
              replace_global(accelerator, "fsdp2_prepare_model", make_prepare)]

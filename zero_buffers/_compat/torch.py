@@ -714,12 +714,13 @@ def patch_model_state_dict_load(make: Callable[[Any], Any]) -> Callable[[], None
 
 
 def broadcasts_from_rank0(info: Any) -> bool:
-    """Whether a ``_StateDictInfo`` (the options ``set_model_state_dict`` was given) broadcast rank 0's state dict
-    to every rank of the default group (``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``)."""
-    flag = getattr(info, "broadcast_from_rank0", None)
-    if not isinstance(flag, bool):
-        raise missing("torch", "_StateDictInfo.broadcast_from_rank0")
-    return flag
+    """Whether a ``_StateDictInfo`` (the options ``set_model_state_dict`` was given) loaded the model from rank 0's
+    state dict broadcast over the default group (``StateDictOptions(full_state_dict=True,
+    broadcast_from_rank0=True)``, and the call loads a model: ``handle_model``, False for optimizer-only calls)."""
+    flag, handles = getattr(info, "broadcast_from_rank0", None), getattr(info, "handle_model", None)
+    if not isinstance(flag, bool) or not isinstance(handles, bool):
+        raise missing("torch", "_StateDictInfo.broadcast_from_rank0 / handle_model")
+    return flag and handles
 
 
 def patch_model_state_dict_get(make: Callable[[Any], Any]) -> Callable[[], None]:
@@ -740,8 +741,8 @@ def patch_dcp_load(make: Callable[[Any], Any]) -> Callable[[], None]:
     from torch.distributed.checkpoint import state_dict_loader
 
     original = vars(state_dict_loader).get("load")
-    if not signature_starts(original, ("state_dict",)) or "process_group" not in inspect.signature(
-            original).parameters:
+    if original is None or not signature_starts(original, ("state_dict",)) or "process_group" not in (
+            inspect.signature(original).parameters):
         raise missing("torch", "torch.distributed.checkpoint.state_dict_loader.load(state_dict, *, process_group)")
     if vars(dcp).get("load") is not original:
         raise missing("torch", "torch.distributed.checkpoint.load as state_dict_loader.load")

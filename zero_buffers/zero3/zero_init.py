@@ -1,5 +1,6 @@
 """Init and install(): zero.Init that broadcasts the buffers of every module built inside it, and a process-wide
-opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same."""
+opt-in that makes every zero.Init, every GatheredParameters(modifier_rank=r) and from_pretrained do the same, and
+the FSDP2-era loads of ``zero_buffers.fsdp.loads``."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -18,8 +19,8 @@ from .._core import (
     wire as _wire,
 )
 from ..broadcast import broadcast_buffers
-from ..fsdp import loads as _loads
 from ..errors import DeepSpeedUnavailableError, InvalidArgumentError, ZeroBuffersError
+from ..fsdp import loads as _loads
 from ..precision import keep as _keep
 from . import _owners
 from .gathered import _Commit, resolve_group
@@ -184,14 +185,15 @@ class _Installed:
 
 def install(*, src: int = 0, timeout: _args.Timeout = None,
             keep_precision: bool | _keep.Spec = False) -> _Installed:
-    """Make DeepSpeed (and transformers) keep buffers in sync wherever they build or load a ZeRO-3 model.
+    """Make DeepSpeed, torch's FSDP2-era loads, Accelerate and transformers keep buffers in sync wherever they build
+    or load a model.
 
     Opt-in and process-wide. While installed, with ``src`` a rank within each data-parallel group:
 
-    * every ``deepspeed.zero.Init`` (including those transformers' ``from_pretrained`` / ``from_config``
-      and Accelerate open for you) broadcasts the buffers of every module built inside when its
+    * (DeepSpeed) every ``deepspeed.zero.Init`` (including those transformers' ``from_pretrained`` /
+      ``from_config`` and Accelerate open for you) broadcasts the buffers of every module built inside when its
       outermost context exits;
-    * every ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` (DeepSpeed's documented
+    * (DeepSpeed) every ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` (DeepSpeed's documented
       ``if rank == 0: module.load_state_dict(...)`` pattern, transformers 4.x loading, DeepSpeed's own
       ``load_checkpoint`` and 16-bit export) behaves like :class:`GatheredParametersAndBuffers`: the
       buffers of the modules that own the gathered parameters (learned when zero.Init converted them)
@@ -203,21 +205,34 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
       :class:`GatheredParametersAndBuffers` (module, ...) or :func:`broadcast_buffers`;
     * ``PreTrainedModel.from_pretrained`` under ZeRO-3 broadcasts every buffer of the loaded model from
       ``src`` before returning (transformers 4.x loads checkpoint buffers on rank 0 only; 5.x misses
-      non-persistent ones and those computed at init);
+      non-persistent ones and those computed at init); under Accelerate's FSDP rank-0 loading
+      (``cpu_ram_efficient_loading``) from global rank 0;
+    * (torch, Accelerate) after ``set_model_state_dict`` / ``set_state_dict`` with ``StateDictOptions(
+      full_state_dict=True, broadcast_from_rank0=True)``, after ``dcp.load`` of a state dict that
+      ``get_model_state_dict`` / ``get_state_dict`` built, and after Accelerate's FSDP2 full-state-dict load
+      (which then also loads models with persistent buffers), every buffer of the model, persistent or not, on
+      ``meta`` or holding what ``to_empty()`` left, is rank 0's (the loads' own source) in one sync over the ranks
+      the load ran over (``src`` does not apply: these loads always come from rank 0). What each load leaves wrong
+      without it, per version: docs/fsdp.md;
     * with ``keep_precision=True`` (or a spec, as :func:`~zero_buffers.keep_precision` takes), every module
       zero.Init converts has its declared buffers kept as soon as its own ``__init__`` ran (before a checkpoint is
       loaded into them), and so has every model a DeepSpeed engine is built around, before the engine's fp16 / bf16
       cast: BatchNorm statistics, transformers' fp32 lists and rotary tables stay fp32 (entries of the spec that
       match nothing in a module are fine here). :func:`uninstall` stops keeping them.
 
-    Idempotent (a second call changes nothing); :func:`uninstall` puts back DeepSpeed's and transformers'
-    identical methods. Usable as a context manager. Raises :class:`DeepSpeedUnavailableError` if DeepSpeed
-    cannot be imported; without a process group every sync is a no-op.
+    Idempotent (a second call changes nothing); :func:`uninstall` puts back the identical functions and methods.
+    Usable as a context manager. Without DeepSpeed the DeepSpeed parts are left out and the rest is installed;
+    ``keep_precision`` then raises :class:`DeepSpeedUnavailableError` (what it keeps is what DeepSpeed builds). A
+    version of torch, Accelerate or transformers without a function it wraps raises :class:`DependencyError` and
+    installs nothing. Without a process group every sync is a no-op.
 
     Example::
 
         zero_buffers.install()
         model = AutoModel.from_pretrained(path)   # under ZeRO-3: buffers now agree on every rank
+        set_model_state_dict(fsdp_model, sd, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=True))
+        # every buffer of fsdp_model, rotary inv_freq included, is rank 0's
     """
     src = _args.rank(src, "src", "install")
     seconds = _args.timeout(timeout, "install")
@@ -262,7 +277,8 @@ def _deepspeed_importable() -> bool:
 
 
 def uninstall() -> None:
-    """Undo :func:`install`, restoring DeepSpeed's and transformers' methods exactly. A no-op when not installed."""
+    """Undo :func:`install`, restoring DeepSpeed's, torch's, Accelerate's and transformers' functions and methods
+    exactly. A no-op when not installed."""
     while _undo:
         _undo.pop()()
 
