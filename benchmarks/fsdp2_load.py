@@ -140,25 +140,41 @@ def _per_round(samples: dict[str, list[float]], method: str) -> float:
 
 
 def plot(row: dict, meta: dict, path: Path) -> bool:
-    """fsdp2_load.png: one bar per method, seconds, with each load's ratio to the load alone."""
+    """fsdp2_load.png: left, every call's seconds of the three loads (a box per method, each call a dot) with the
+    ratio to the plain load (of the medians, and per round); right, the sync alone and install() + uninstall() in
+    ms: what install() adds to a load."""
     try:
         plt = harness.pyplot()
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return False
-    names = ["load", "load_under_install", "load_then_broadcast_buffers", "broadcast_buffers", "install_uninstall"]
-    labels = ["load", "load under\ninstall()", "load +\nbroadcast_buffers", "broadcast_buffers\nalone",
-              "install() +\nuninstall()"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    bars = ax.bar(labels, [row[n] for n in names], color=["#777777", "#1f77b4", "#2ca02c", "#98df8a", "#aec7e8"])
-    for bar, n in zip(bars, names):
-        ratio = row[n] / row["load"]
-        ax.annotate(f"{row[n]:.3g} s\n{ratio:.3f}x load" if n.startswith("load") else f"{row[n] * 1e3:.3g} ms",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("seconds (median, slowest rank)")
-    ax.set_title(f"FSDP2 rank-0 load of {row['params_MB']:.4g} MiB of parameters, {row['buffers_MB']:.2g} MiB of "
-                 f"buffers\n{meta['world']} gloo ranks, {meta['machine']}, torch {meta['torch']}", fontsize=9)
-    ax.margins(y=0.2)
+    loads = {"load": "load", "load_under_install": "load under\ninstall()",
+             "load_then_broadcast_buffers": "load +\nbroadcast_buffers"}
+    ratios = {"load_under_install": row["install_over_load_per_round"],
+              "load_then_broadcast_buffers": row["broadcast_over_load_per_round"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    data = [row["samples"][n] for n in loads]
+    left.boxplot(data, showfliers=False)
+    left.set_xticks(range(1, len(loads) + 1), list(loads.values()))
+    for i, (n, values) in enumerate(zip(loads, data), 1):
+        left.scatter([i] * len(values), values, s=10, alpha=0.6, color="#1f77b4")
+        text = f"median {row[n]:.3g} s" + (f"\n{row[n] / row['load']:.2f}x (per round {ratios[n]:.2f}x)"
+                                          if n in ratios else "")
+        left.annotate(text, (i, max(values)), ha="center", va="bottom", fontsize=8)
+    left.set_ylabel("seconds per call (slowest rank)")
+    left.set_ylim(0, 1.25 * max(max(v) for v in data))
+    small = {"broadcast_buffers": "broadcast_buffers\nalone (the sync)",
+             "install_uninstall": "install() +\nuninstall()"}
+    bars = right.bar(list(small.values()), [row[n] * 1e3 for n in small], color=["#2ca02c", "#aec7e8"])
+    for bar, n in zip(bars, small):
+        right.annotate(f"{row[n] * 1e3:.3g} ms", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=8)
+    right.set_ylabel("ms (median, slowest rank)")
+    right.set_title(f"the sync: {row['sync_share_pct']:.2f} % of the load", fontsize=9)
+    right.margins(y=0.2)
+    fig.suptitle(f"FSDP2 rank-0 load (set_model_state_dict, broadcast_from_rank0) of {row['params_MB']:.4g} MiB of "
+                 f"parameters, {row['buffers_MB']:.2g} MiB of buffers\n{meta['world']} gloo ranks, {meta['machine']}, "
+                 f"torch {meta['torch']}, {meta['when']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
