@@ -36,9 +36,12 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import harness
@@ -115,11 +118,13 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
         harness.check_equal_to_src(model)
     sizes = [sum(t.numel() * t.element_size() for t in ts) for ts in (model.parameters(), model.buffers())]  # global
     samples: dict[str, list[float]] = {}
-    t = harness.timed_together({"load": load, "load_under_install": under_install,
-                                "load_then_broadcast_buffers": then_broadcast,
-                                "broadcast_buffers": functools.partial(zb.broadcast_buffers, model),
-                                "install_uninstall": install_uninstall}, ctx["repeats"], ctx["device"], rotate=True,
-                               samples=samples)
+    methods = {"load": load, "load_under_install": under_install, "load_then_broadcast_buffers": then_broadcast,
+               "broadcast_buffers": functools.partial(zb.broadcast_buffers, model),
+               "install_uninstall": install_uninstall}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
+    t = harness.timed_together({name: _cpu_timed(fn, cpu[name]) for name, fn in methods.items()}, ctx["repeats"],
+                               ctx["device"], rotate=True, samples=samples)
+    cpu_by_rank = _cpu_medians(cpu, ctx["world"])
     row = {"what": f"set_model_state_dict(broadcast_from_rank0), {blocks} blocks of {width}x{width}",
            "params_MB": sizes[0] / 2 ** 20, "buffers_MB": sizes[1] / 2 ** 20,
            "buffers_apart_after_load": apart, **t, "install_over_load": t["load_under_install"] / t["load"],
@@ -128,10 +133,30 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
            "install_over_load_per_round": _per_round(samples, "load_under_install"),
            "broadcast_over_load_per_round": _per_round(samples, "load_then_broadcast_buffers"),
            "sync_share_pct": 100 * t["broadcast_buffers"] / t["load"],
+           "install_over_load_cpu": max(cpu_by_rank["load_under_install"]) / max(cpu_by_rank["load"]),
+           "broadcast_over_load_cpu": max(cpu_by_rank["load_then_broadcast_buffers"]) / max(cpu_by_rank["load"]),
+           "cpu_by_rank": cpu_by_rank,
            "samples": {k: [round(x, 6) for x in v] for k, v in samples.items()}}
     ctx["log"](f"load {t['load']:.3f} s, under install() {t['load_under_install']:.3f} s "
                f"({row['install_over_load']:.3f}x), + broadcast_buffers {t['load_then_broadcast_buffers']:.3f} s")
     return [row]
+
+
+def _cpu_timed(fn: Callable[[], Any], into: list[float]) -> Callable[[], None]:
+    """``fn``, appending the CPU seconds this process (every thread of it) spent in each call to ``into``."""
+    def run() -> None:
+        start = time.process_time()
+        fn()
+        into.append(time.process_time() - start)
+    return run
+
+
+def _cpu_medians(cpu: dict[str, list[float]], world: int) -> dict[str, list[float]]:
+    """Per method, every rank's median CPU seconds per call (the 2 warm-up rounds left out), by rank."""
+    mine = torch.tensor([statistics.median(v[2:]) for v in cpu.values()], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return {name: [float(r[i]) for r in every] for i, name in enumerate(cpu)}
 
 
 def _per_round(samples: dict[str, list[float]], method: str) -> float:
@@ -184,14 +209,21 @@ def plot(row: dict, meta: dict, path: Path) -> bool:
 def markdown(result: dict, meta: dict) -> str:
     """harness.markdown's tables (the every-call samples left out), then each method's spread over the repeats."""
     rows = result["results"][SECTION]
-    lines = [harness.markdown([{**result, "results": {SECTION: [{k: v for k, v in r.items() if k != "samples"}
+    lines = [harness.markdown([{**result, "results": {SECTION: [{k: v for k, v in r.items()
+                                                                 if k not in ("samples", "cpu_by_rank")}
                                                                 for r in rows]}}], meta).rstrip(), "",
              f"Every call, {len(next(iter(rows[0]['samples'].values())))} repeats after 2 warm-up rounds, the methods "
              "taking turns (each round starting one method later): slowest rank's seconds. The machine's load "
              f"average at the end (1, 5, 15 min): {', '.join(map(str, meta['load_average']))}.", ""]
     spread = [[name, f"{min(v):.4f}", f"{statistics.median(v):.4f}", f"{max(v):.4f}"]
               for name, v in rows[0]["samples"].items()]
-    return "\n".join(lines + harness.md_table(["method", "min", "median", "max"], spread)) + "\n"
+    cpu = rows[0]["cpu_by_rank"]
+    ranks = len(next(iter(cpu.values())))
+    cpu_rows = [[name, *(f"{x:.4f}" for x in v)] for name, v in cpu.items()]
+    return "\n".join(lines + harness.md_table(["method", "min", "median", "max"], spread) + [
+        "", "CPU seconds per call (this process, every thread), median over the repeats, by rank: the work done, "
+        "which other programs on the machine move far less than the wall time.", ""]
+        + harness.md_table(["method", *(f"rank {r}" for r in range(ranks))], cpu_rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
