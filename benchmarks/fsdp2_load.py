@@ -7,7 +7,7 @@ The model: 16 blocks of a bias-free ``Linear(4096, 4096)`` (fp32: 1 GiB of param
 (persistent statistics, 32 KiB) and a non-persistent 8192-entry table (32 KiB, a rotary table's kind): 1 MiB of
 buffers. Rank 0 builds it for real and holds its full state dict; every other rank builds it on ``meta`` and
 ``to_empty``s it; every block and the root are ``fully_shard``'ed. Then, side by side (the methods take turns call by
-call, median of the slowest rank):
+call, median of the slowest rank's wall time):
 
 - ``load``: ``set_model_state_dict(model, full, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))``,
   which carries the state-dict entries only (the non-persistent table stays what ``to_empty`` left);
@@ -18,9 +18,11 @@ call, median of the slowest rank):
 - ``broadcast_buffers`` alone and ``install_uninstall`` alone (``install()`` then ``uninstall()``, no load).
 
 Ratios: of the medians (``install_over_load``, ``broadcast_over_load``, ``install_added_pct``), and the median of
-each round's own ratio (``..._per_round``); ``sync_share_pct``: ``broadcast_buffers`` alone over the load, the work
-``install()`` adds to it (one sync of every buffer). On a shared machine a load's time varies far more than that
-work: ``samples`` keeps every call's time and ``results.md`` shows each method's spread.
+each round's own ratio (``..._per_round``), of the CPU seconds each call took in its process (``..._cpu``: the larger
+rank's median; ``cpu_by_rank`` has every rank's); ``sync_share_pct``: ``broadcast_buffers`` alone over the load, the
+work ``install()`` adds to it (one sync of every buffer). On a shared machine a load's wall time varies far more than
+that work: ``samples`` keeps every call's time and ``results.md`` shows each method's spread. The methods take turns
+in a new order each round (``harness.timed_together(shuffle=True)``).
 
 Before timing, each method's outcome is checked: after the plain load the tables differ across ranks (counted in
 ``buffers_apart_after_load``), after the other two every buffer equals rank 0's.
@@ -123,7 +125,7 @@ def bench_fsdp2_load(ctx: dict) -> list[dict]:
                "install_uninstall": install_uninstall}
     cpu: dict[str, list[float]] = {name: [] for name in methods}
     t = harness.timed_together({name: _cpu_timed(fn, cpu[name]) for name, fn in methods.items()}, ctx["repeats"],
-                               ctx["device"], rotate=True, samples=samples)
+                               ctx["device"], shuffle=True, samples=samples)
     cpu_by_rank = _cpu_medians(cpu, ctx["world"])
     row = {"what": f"set_model_state_dict(broadcast_from_rank0), {blocks} blocks of {width}x{width}",
            "params_MB": sizes[0] / 2 ** 20, "buffers_MB": sizes[1] / 2 ** 20,
@@ -166,8 +168,8 @@ def _per_round(samples: dict[str, list[float]], method: str) -> float:
 
 def plot(row: dict, meta: dict, path: Path) -> bool:
     """fsdp2_load.png: left, every call's seconds of the three loads (a box per method, each call a dot) with the
-    ratio to the plain load (of the medians, and per round); right, the sync alone and install() + uninstall() in
-    ms: what install() adds to a load."""
+    ratio to the plain load (of the medians, per round, of the CPU seconds); right, the sync alone and install() +
+    uninstall() in ms: what install() adds to a load."""
     try:
         plt = harness.pyplot()
     except ImportError:
@@ -175,16 +177,16 @@ def plot(row: dict, meta: dict, path: Path) -> bool:
         return False
     loads = {"load": "load", "load_under_install": "load under\ninstall()",
              "load_then_broadcast_buffers": "load +\nbroadcast_buffers"}
-    ratios = {"load_under_install": row["install_over_load_per_round"],
-              "load_then_broadcast_buffers": row["broadcast_over_load_per_round"]}
+    ratios = {"load_under_install": (row["install_over_load_per_round"], row["install_over_load_cpu"]),
+              "load_then_broadcast_buffers": (row["broadcast_over_load_per_round"], row["broadcast_over_load_cpu"])}
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 4.4), gridspec_kw={"width_ratios": [3, 2]})
     data = [row["samples"][n] for n in loads]
     left.boxplot(data, showfliers=False)
     left.set_xticks(range(1, len(loads) + 1), list(loads.values()))
     for i, (n, values) in enumerate(zip(loads, data), 1):
         left.scatter([i] * len(values), values, s=10, alpha=0.6, color="#1f77b4")
-        text = f"median {row[n]:.3g} s" + (f"\n{row[n] / row['load']:.2f}x (per round {ratios[n]:.2f}x)"
-                                          if n in ratios else "")
+        text = f"median {row[n]:.3g} s" + (f"\n{row[n] / row['load']:.2f}x (per round {ratios[n][0]:.2f}x)\n"
+                                          f"CPU {ratios[n][1]:.2f}x" if n in ratios else "")
         left.annotate(text, (i, max(values)), ha="center", va="bottom", fontsize=8)
     left.set_ylabel("seconds per call (slowest rank)")
     left.set_ylim(0, 1.25 * max(max(v) for v in data))
@@ -213,7 +215,7 @@ def markdown(result: dict, meta: dict) -> str:
                                                                  if k not in ("samples", "cpu_by_rank")}
                                                                 for r in rows]}}], meta).rstrip(), "",
              f"Every call, {len(next(iter(rows[0]['samples'].values())))} repeats after 2 warm-up rounds, the methods "
-             "taking turns (each round starting one method later): slowest rank's seconds. The machine's load "
+             "taking turns (each round in a new order): slowest rank's seconds. The machine's load "
              f"average at the end (1, 5, 15 min): {', '.join(map(str, meta['load_average']))}.", ""]
     spread = [[name, f"{min(v):.4f}", f"{statistics.median(v):.4f}", f"{max(v):.4f}"]
               for name, v in rows[0]["samples"].items()]

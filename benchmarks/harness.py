@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -121,16 +122,18 @@ def _once(fn: Callable[[], Any], device: torch.device) -> float:
     return float(elapsed)
 
 
-def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, rotate: bool = False,
+def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, shuffle: bool = False,
                    samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median over ``repeats`` of each method's slowest-rank seconds; the methods take turns call by call, so
-    drift on a shared machine hits every method alike and their ratios are measured side by side. ``rotate``: each
-    round starts one method later (for long calls, where the call after the round's break would be the only one to
-    pay for what the previous round left behind); ``samples``, when given, receives every measured time by method."""
+    drift on a shared machine hits every method alike and their ratios are measured side by side. ``shuffle``: each
+    round takes the methods in a new order (seeded, the same on every rank), so that no method always follows the
+    same one (for long calls, where one call may leave work behind for the next: memory given back, pages to fault
+    in); ``samples``, when given, receives every measured time by method."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
+    order = random.Random(0)
     for i in range(repeats + 2):  # two warm-up rounds
-        turn = names[i % len(names):] + names[:i % len(names)] if rotate else names
+        turn = order.sample(names, len(names)) if shuffle else names
         for name in turn:
             t = _once(fns[name], device)
             if i >= 2:
