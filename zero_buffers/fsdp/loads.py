@@ -45,6 +45,7 @@ from typing import Any
 from torch import nn
 
 from .._compat import accelerate as acc_compat, torch as torch_compat
+from .._core import modules as _modules
 from ..broadcast import broadcast_buffers
 
 _state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
@@ -137,8 +138,8 @@ def _dcp_load_then_sync(original: Callable[..., Any], timeout: float | None) -> 
 
 
 def _has_persistent_buffers(model: nn.Module) -> bool:
-    return any(b is not None and name not in m._non_persistent_buffers_set
-               for m in model.modules() for name, b in m._buffers.items())
+    transient = _modules.non_persistent_names(model)
+    return any(name not in transient for name, _ in model.named_buffers())
 
 
 def _accelerate_load(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
