@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"when": harness.utc_now(),
             "machine": harness.machine() + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
             "torch": torch.__version__, "quick": args.quick, "seconds": round(time.perf_counter() - started, 1)}
-    harness.write_results(args.out, {"meta": meta, "runs": all_results}, harness.markdown(all_results, meta),
-                          lambda path: plot(all_results, path), "scaling.png")
+    plotted = plot(all_results, args.out / "scaling.png")
+    harness.write_outputs(args.out, {"meta": meta, "runs": all_results}, harness.markdown(all_results, meta),
+                          ["scaling.png"] if plotted else [])
     return 0
 
 

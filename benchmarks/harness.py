@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -121,15 +122,24 @@ def _once(fn: Callable[[], Any], device: torch.device) -> float:
     return float(elapsed)
 
 
-def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device) -> dict[str, float]:
+def timed_together(fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, shuffle: bool = False,
+                   samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median over ``repeats`` of each method's slowest-rank seconds; the methods take turns call by call, so
-    drift on a shared machine hits every method alike and their ratios are measured side by side."""
+    drift on a shared machine hits every method alike and their ratios are measured side by side. ``shuffle``: each
+    round takes the methods in a new order (seeded, the same on every rank), so that no method always follows the
+    same one (for long calls, where one call may leave work behind for the next: memory given back, pages to fault
+    in); ``samples``, when given, receives every measured time by method."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    order = random.Random(0)
     for i in range(repeats + 2):  # two warm-up rounds
-        for name, fn in fns.items():
-            t = _once(fn, device)
+        turn = order.sample(names, len(names)) if shuffle else names
+        for name in turn:
+            t = _once(fns[name], device)
             if i >= 2:
                 times[name].append(t)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -177,14 +187,14 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=1))
 
 
-def write_results(out: Path, data: dict, md: str, plot: Callable[[Path], bool], png: str) -> None:
-    """``results.json``, ``results.md`` and the plot ``png`` (drawn by ``plot(path)``, False without matplotlib)
-    into ``out``; prints the Markdown and what was written."""
+def write_outputs(out: Path, data: dict, md: str, figures: list[str]) -> None:
+    """``results.json`` (``data``, whose ``meta`` says how long the run took) and ``results.md`` into ``out``; the
+    Markdown printed, then what was written (with the ``figures`` drawn beside them)."""
     write_json(out / "results.json", data)
     (out / "results.md").write_text(md)
-    plotted = plot(out / png)
     print(md)
-    print(f"\nwrote {out / 'results.json'}, results.md{', ' + png if plotted else ''} in {data['meta']['seconds']} s")
+    print(f"\nwrote {out / 'results.json'}, results.md{''.join(f', {f}' for f in figures)} in "
+          f"{data['meta']['seconds']} s")
 
 
 def md_table(keys: list[str], rows: list[list[str]]) -> list[str]:

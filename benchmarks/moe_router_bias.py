@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import zero_buffers as zb
-from harness import machine, md_table, pyplot, run_world, timed_together, utc_now, write_results
+from harness import machine, md_table, pyplot, run_world, timed_together, utc_now, write_outputs
 from zero_buffers.moe.router_bias import _count
 
 
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(time.perf_counter() - started, 1)}
     data = {"meta": meta, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
-    write_results(args.out, data, markdown(data), lambda path: plot(data, path), "moe_router_bias.png")
+    plotted = plot(data, args.out / "moe_router_bias.png")
+    write_outputs(args.out, data, markdown(data), ["moe_router_bias.png"] if plotted else [])
     return 0
 
 

@@ -113,3 +113,24 @@ def test_quick_moe_router_bias_benchmark_times_the_step_with_and_without_the_rec
     assert {"measured_overhead_pct", "recipe_share_pct"} <= row.keys() and row["count_alone"] > 0
     assert "quick mode" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "moe_router_bias.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_quick_fsdp2_load_benchmark_times_the_load_alone_under_install_and_with_the_one_line_after_checking_each(
+        tmp_path):
+    """benchmarks/fsdp2_load.py --quick: the plain load leaves every block's non-persistent table apart (checked in
+    the run), the load under install() and the load + broadcast_buffers leave every buffer rank 0's (checked in the
+    run, an AssertionError otherwise); every method timed, the ratios written, the plot drawn."""
+    out = run_cmd([sys.executable, str(ROOT / "benchmarks" / "fsdp2_load.py"), "--quick", "--out", str(tmp_path)],
+                  timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["quick"] is True and data["meta"]["world"] == 2
+    [row] = data["runs"][0]["results"]["fsdp2_load"]
+    assert row["buffers_apart_after_load"] == 4 and row["params_MB"] == 4 * (64 * 64 + 2 * 64) * 4 / 2 ** 20
+    methods = ("load", "load_under_install", "load_then_broadcast_buffers", "broadcast_buffers", "install_uninstall")
+    assert all(row[m] > 0 for m in methods), row
+    assert row["install_over_load"] == row["load_under_install"] / row["load"]
+    assert row["broadcast_over_load"] == row["load_then_broadcast_buffers"] / row["load"]
+    md = (tmp_path / "results.md").read_text()
+    assert "quick mode" in md and "### fsdp2_load" in md
+    assert (tmp_path / "fsdp2_load.png").read_bytes()[:4] == b"\x89PNG"

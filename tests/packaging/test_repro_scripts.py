@@ -305,3 +305,71 @@ def test_moe_router_bias_repro_shows_no_update_diverged_biases_doubled_counts_an
     rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX", "REF"))]
     assert [r[:3] for r in rows] == ["BUG", "BUG", "BUG", "FIX", "REF"]
     assert all(r.rstrip().endswith("yes") for r in rows[:4])
+
+
+def _cells(stdout: str) -> list[list[str]]:
+    """The BUG / FIX / n/a rows of a table, split into cells (two spaces or more apart)."""
+    return [re.split(r"\s{2,}", line.strip()) for line in stdout.splitlines()
+            if line.startswith(("BUG ", "FIX ", "n/a "))]
+
+
+LOADS = ["set_model_state_dict(broadcast_from_rank0)", "dcp.load (get/set_model_state_dict)",
+         "Accelerate fsdp2_load_full_state_dict", "hand-written loop over parameters"]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp2_loading_repro_shows_each_loads_wrong_buffers_and_tokens_then_the_fixes_matching_the_plain_model(nproc):
+    out = _cli("repro", "fsdp2_loading", "--nproc", str(nproc))
+    _shows_one_table(out, "fsdp2_loading")
+    assert f"fsdp2_loading: {nproc} ranks" in out.stdout
+    plain = re.search(r"plain model, one process: llama ([\d ]+); resnet ([\d ]+)", out.stdout)
+    assert plain, out.stdout
+    want = {"llama": plain.group(1).strip(), "resnet": plain.group(2).strip()}
+    everyone = "0,1: " if nproc == 2 else f"0-{nproc - 1}: "
+    rows, bugs = _cells(out.stdout), {}
+    for kind, case, model, differing, worst, nans, output, held in rows:
+        if kind == "BUG":
+            bugs[case, model] = (differing, output)
+            assert held == "yes" and (differing.startswith("load raised") or " on meta (rank" in differing
+                                      or not differing.startswith("0/")), (case, model, differing)
+        elif kind == "FIX":
+            assert held == "yes" and differing.startswith("0/") and worst == "0" and nans == "0", (case, model)
+            assert output == everyone + want[model], (case, model, output)  # every rank: the plain model's output
+        else:
+            assert (kind, held, output) == ("n/a", "n/a", everyone + want[model]) and model == "resnet", case
+    # what each load leaves wrong, by model (rank 0 always right; every other rank wrong)
+    for case in LOADS[:2]:
+        differing, output = bugs[case, "llama"]
+        assert differing == "2/2" and output.startswith(f"0: {want['llama']} | "), (case, output)  # inv_freq x2
+        assert want["llama"] not in output.split(" | ", 1)[1], (case, output)  # the other ranks generate other text
+    assert bugs[LOADS[2], "llama"][0] == bugs[LOADS[3], "llama"][0] == \
+        f"{2 * (nproc - 1)} on meta (rank{'s' if nproc > 2 else ''} {'1' if nproc == 2 else f'1-{nproc - 1}'})"
+    assert bugs[LOADS[2], "resnet"] == (f"load raised on {nproc}/{nproc} ranks",
+                                        "AttributeError: 'Tensor' object has no attribute 'device_mesh'")
+    assert bugs[LOADS[3], "resnet"][0].startswith(f"{12 * (nproc - 1)} on meta")
+    assert set(bugs) == {(c, "llama") for c in LOADS} | {(c, "resnet") for c in LOADS[2:]}
+    fixes = [(r[1], r[2]) for r in rows if r[0] == "FIX"]
+    assert len(fixes) == 9 and sum("zb.install()" in c for c, _ in fixes) == 4, fixes
+
+
+def test_fsdp2_loading_repro_exits_1_naming_each_fix_row_when_the_fixes_are_taken_out(tmp_path):
+    """The script with its two fixes removed (install() made a no-op context, the one line a no-op), from a copy of
+    the repro folder: every FIX row reads NO, the RESULT line names them, the CLI exits 1."""
+    import shutil
+
+    folder = tmp_path / "repro"
+    shutil.copytree(cli.repro_dir(), folder, ignore=shutil.ignore_patterns("__pycache__"))
+    script = folder / "fsdp2_loading.py"
+    text = script.read_text()
+    line = 'if fix == "line":\n            '
+    fixes = ('zb.install() if fix == "install"', line + "zb.broadcast_buffers(model, materialize=True)")
+    assert all(text.count(f) == 1 for f in fixes), "the fixes are no longer where this test takes them out"
+    script.write_text(text.replace(fixes[0], 'contextlib.nullcontext() if fix == "install"')
+                      .replace(fixes[1], line + "pass"))
+    out = _cli("repro", "fsdp2_loading", "--nproc", "2", env={**os.environ, "ZERO_BUFFERS_REPRO_DIR": str(folder)})
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _cells(out.stdout)
+    assert [r[-1] for r in rows if r[0] == "FIX"] == ["NO"] * 9 and all(r[-1] == "yes" for r in rows if r[0] == "BUG")
+    result = next(line for line in out.stdout.splitlines() if line.startswith("RESULT: "))
+    assert result.startswith("RESULT: NOT AS EXPECTED: ") and result.count("(fix does not hold)") == 9, result
+    assert "fsdp2_loading  FAILED (exit 1): a fix did not hold" in out.stdout
