@@ -33,7 +33,11 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   constructor made): from global rank 0 over the default group, as it returns (its parameters are Accelerate's
   to broadcast at ``prepare``).
 
-A load that raised is not followed by a sync. The sync is the transaction of ``broadcast_buffers``: a structure
+A load that raised is not followed by a sync. A broadcast load that raised on some ranks only (torch's broadcasts
+completed on every rank, then one rank's own ``load_state_dict`` refused its state dict, e.g. a key the model lacks
+under ``strict``) must not leave the others waiting in the sync for it: after a ``broadcast_from_rank0`` load every
+rank votes in one small all_gather whether its load raised, and if any did, the ranks that raised re-raise their own
+error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). The sync is the transaction of ``broadcast_buffers``: a structure
 that differs (a rank built another model) raises the same ``BufferStructureError`` on every rank.
 """
 from __future__ import annotations
@@ -45,8 +49,9 @@ from typing import Any
 from torch import nn
 
 from .._compat import accelerate as acc_compat, torch as torch_compat
-from .._core import modules as _modules
+from .._core import group as _group, modules as _modules, transaction as _transaction, wire as _wire
 from ..broadcast import broadcast_buffers
+from ..errors import ZeroBuffersError
 
 _state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
 _REMEMBERED = 64  # state dicts remembered at most (the newest); one per get_model_state_dict call
@@ -89,11 +94,36 @@ def after_rank0_load(model: nn.Module, timeout: float | None) -> None:
 
 def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
     def _load_model_state_dict(model: nn.Module, state_dict: Any, info: Any) -> Any:
-        result = original(model, state_dict, info)
-        if torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module) and not _quiet:
+        if not (torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module)):
+            return original(model, state_dict, info)
+        failure: BaseException | None = None
+        try:
+            result = original(model, state_dict, info)
+        except BaseException as e:
+            failure = e
+        _agree(failure, timeout)  # [Note: loads install() follows]: a load that raised on some ranks only
+        if not _quiet:
             _sync(model, None, timeout)  # [Note: loads install() follows]
         return result
     return _load_model_state_dict
+
+
+_LOAD = "set_model_state_dict(broadcast_from_rank0=True) (zero_buffers.install)"
+
+
+def _agree(failure: BaseException | None, timeout: float | None) -> None:
+    """Every rank of the default group learns whether the load raised anywhere; a rank whose load raised re-raises
+    its own error, the others the same SyncAbortedError naming it ([Note: loads install() follows])."""
+    g = _group.resolve(None, _LOAD)
+    if g is not None:
+        try:
+            _transaction.vote(g, failure, _wire.Deadline(timeout), _LOAD, "the load raised",
+                              "no buffer was synced (the load itself ran on the ranks that did not raise)")
+        except ZeroBuffersError:
+            if failure is None:
+                raise
+    if failure is not None:
+        raise failure
 
 
 def _value_ids(state_dict: dict) -> tuple[int, ...]:
