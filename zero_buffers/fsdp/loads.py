@@ -18,7 +18,8 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
 * ``torch.distributed.checkpoint.load(state_dict, process_group=pg)`` where ``state_dict`` (or one of its values)
   is a dict ``get_model_state_dict`` / ``get_state_dict`` returned while installed: every rank read the same
   persistent entries from the files; the buffers DCP never saved are synced from rank 0 of ``pg`` (the default
-  group when None). A state dict from ``model.state_dict()`` names no model and is not followed, nor is a load
+  group when None); every rank's dict counts, an empty one too (``full_state_dict=True, cpu_offload=True`` gives
+  rank 0 the entries and the others ``{}``: each rank follows its own, so all of them sync). A state dict from ``model.state_dict()`` names no model and is not followed, nor is a load
   through a ``Stateful`` (its own ``load_state_dict`` runs ``set_state_dict``, covered as above), nor
   ``no_dist=True``;
 * Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
@@ -133,7 +134,9 @@ def _value_ids(state_dict: dict) -> tuple[int, ...]:
 def _remembering(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
         state_dict = original(model, info)
-        if isinstance(state_dict, dict) and state_dict and isinstance(model, nn.Module):
+        # an empty one too: a full state dict with cpu_offload is rank 0's alone, the others get {} and must follow
+        # the same dcp.load as rank 0 (the sync is a collective)
+        if isinstance(state_dict, dict) and isinstance(model, nn.Module):
             for key in [k for k, (ref, _) in _state_dicts.items() if ref() is None]:
                 del _state_dicts[key]
             while len(_state_dicts) >= _REMEMBERED:
