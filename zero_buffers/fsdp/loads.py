@@ -19,9 +19,9 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   is a dict ``get_model_state_dict`` / ``get_state_dict`` returned while installed: every rank read the same
   persistent entries from the files; the buffers DCP never saved are synced from rank 0 of ``pg`` (the default
   group when None); every rank's dict counts, an empty one too (``full_state_dict=True, cpu_offload=True`` gives
-  rank 0 the entries and the others ``{}``: each rank follows its own, so all of them sync). A state dict from ``model.state_dict()`` names no model and is not followed, nor is a load
-  through a ``Stateful`` (its own ``load_state_dict`` runs ``set_state_dict``, covered as above), nor
-  ``no_dist=True``;
+  rank 0 the entries and the others ``{}``: each rank follows its own, so all of them sync). A state dict from
+  ``model.state_dict()`` names no model and is not followed, nor is a load through a ``Stateful`` (its own
+  ``load_state_dict`` runs ``set_state_dict``, covered as above), nor ``no_dist=True``;
 * Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
   entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``). While
   installed, a model without persistent buffers loads through Accelerate's own loop; one with them through torch's
@@ -38,8 +38,9 @@ A load that raised is not followed by a sync. A broadcast load that raised on so
 completed on every rank, then one rank's own ``load_state_dict`` refused its state dict, e.g. a key the model lacks
 under ``strict``) must not leave the others waiting in the sync for it: after a ``broadcast_from_rank0`` load every
 rank votes in one small all_gather whether its load raised, and if any did, the ranks that raised re-raise their own
-error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). The sync is the transaction of ``broadcast_buffers``: a structure
-that differs (a rank built another model) raises the same ``BufferStructureError`` on every rank.
+error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). The sync is the transaction
+of ``broadcast_buffers``: a structure that differs (a rank built another model) raises the same
+``BufferStructureError`` on every rank.
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Calla
         failure: BaseException | None = None
         try:
             result = original(model, state_dict, info)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - voted on in _agree, then re-raised
             failure = e
         _agree(failure, timeout)  # [Note: loads install() follows]: a load that raised on some ranks only
         if not _quiet:
