@@ -468,3 +468,34 @@ def test_dcp_load_of_a_full_state_dict_held_on_rank0_only_syncs_on_every_rank(ra
     assert out[0]["entries"] > 0 and out[1]["entries"] == 0  # the rank-local state: rank 0's dict alone is full
     assert not any("error" in o for o in out), [o.get("error") for o in out]
     _check_fixed(out)
+
+
+def _dcp_load_after_rank0_alone_built_more_state_dicts(rank, world, tmp):
+    """Every rank builds the state dict it passes to ``dcp.load`` while installed; in between, rank 0 alone (its
+    logging, say) builds more sharded state dicts of another module than install() remembers, so it has forgotten
+    the one it loads and the others have not."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    model = _tiny()
+    dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/ck")
+    with zb.install(timeout=60):
+        state = get_model_state_dict(model)
+        if rank == 0:
+            other = nn.Linear(2, 2)
+            for _ in range(100):
+                get_model_state_dict(other)  # no collective: any rank may call it alone
+        start = time.monotonic()
+        try:
+            dcp.load(state, checkpoint_id=f"{tmp}/ck")
+        except Exception as e:
+            return type(e).__name__, str(e), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def test_dcp_load_followed_on_some_ranks_only_raises_the_same_error_on_every_rank_without_waiting(ranks2, tmp_path):
+    out = ranks2.run(_dcp_load_after_rank0_alone_built_more_state_dicts, str(tmp_path), timeout=TIMEOUT)
+    assert [o[0] for o in out] == ["BufferStructureError"] * 2, out
+    assert out[0][1] == out[1][1] and "rank 0" in out[0][1] and "rank 1" in out[0][1], out
+    assert max(o[2] for o in out) < 30, out  # nobody waited out the 60 s deadline

@@ -21,7 +21,10 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   group when None); every rank's dict counts, an empty one too (``full_state_dict=True, cpu_offload=True`` gives
   rank 0 the entries and the others ``{}``: each rank follows its own, so all of them sync). A state dict from
   ``model.state_dict()`` names no model and is not followed, nor is a load through a ``Stateful`` (its own
-  ``load_state_dict`` runs ``set_state_dict``, covered as above), nor ``no_dist=True``;
+  ``load_state_dict`` runs ``set_state_dict``, covered as above), nor ``no_dist=True``. Every rank of ``pg``
+  then says in one small all_gather how many models it follows: where they differ (a rank that built more state
+  dicts than install() remembers, or replaced a value of its dict, follows none), every rank raises the same
+  ``BufferStructureError``;
 * Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
   entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``). While
   installed, a model without persistent buffers loads through Accelerate's own loop; one with them through torch's
@@ -51,9 +54,15 @@ from typing import Any
 from torch import nn
 
 from .._compat import accelerate as acc_compat, torch as torch_compat
-from .._core import group as _group, modules as _modules, transaction as _transaction, wire as _wire
+from .._core import (
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from ..broadcast import broadcast_buffers
-from ..errors import ZeroBuffersError
+from ..errors import BufferStructureError, ZeroBuffersError
 
 _state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
 _REMEMBERED = 64  # state dicts remembered at most (the newest); one per get_model_state_dict call
@@ -165,10 +174,32 @@ def _dcp_load_then_sync(original: Callable[..., Any], timeout: float | None) -> 
         models = _models_of(state_dict)  # before: a load may put new values into the dict
         result = original(state_dict, *args, **kwargs)
         if not kwargs.get("no_dist", False):
+            _agree_followed(len(models), kwargs.get("process_group"), timeout)
             for model in models:
                 _sync(model, kwargs.get("process_group"), timeout)  # [Note: loads install() follows]
         return result
     return load
+
+
+_DCP = "dcp.load (zero_buffers.install)"
+
+
+def _agree_followed(count: int, group: Any, timeout: float | None) -> None:
+    """Which state dicts a rank follows is its own memory of them (a rank that built more than it remembers, or
+    mutated its dict, follows none): one small all_gather of how many models each rank syncs, and a
+    BufferStructureError on every rank where they differ, instead of some ranks waiting in a sync the others skip
+    ([Note: loads install() follows])."""
+    g = _group.resolve(group, _DCP)
+    if g is None:
+        return
+    counts = [v[0] for v in _wire.all_gather_values(g, [count], _wire.Deadline(timeout), _DCP)]
+    if any(c != counts[0] for c in counts):
+        said = [f"{c} model(s) to sync" for c in counts]
+        raise BufferStructureError(
+            f"{_DCP}: ranks follow different state dicts: {_structure.by_value(g.ranks, said)} (a rank follows the "
+            "dict get_model_state_dict / get_state_dict returned, unchanged, among the last "
+            f"{_REMEMBERED} it built). The load itself completed; no buffer was synced: call "
+            "zero_buffers.broadcast_buffers(model, materialize=True) on every rank", None, dict(zip(g.ranks, said)))
 
 
 def _has_persistent_buffers(model: nn.Module) -> bool:
