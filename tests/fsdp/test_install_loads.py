@@ -499,3 +499,38 @@ def test_dcp_load_followed_on_some_ranks_only_raises_the_same_error_on_every_ran
     assert [o[0] for o in out] == ["BufferStructureError"] * 2, out
     assert out[0][1] == out[1][1] and "rank 0" in out[0][1] and "rank 1" in out[0][1], out
     assert max(o[2] for o in out) < 30, out  # nobody waited out the 60 s deadline
+
+
+def _from_pretrained_raising_on_rank0(rank, world, tmp):
+    """transformers' FSDP rank-0 loading where rank 0's checkpoint is unreadable (a truncated weights file) and
+    the others' is fine: rank 0's from_pretrained raises, the others' returns."""
+    import time
+
+    from transformers import ResNetForImageClassification
+    if rank == 0:
+        for r in range(world):
+            _resnet(True).save_pretrained(f"{tmp}/ck-{r}")
+        with open(f"{tmp}/ck-0/model.safetensors", "r+b") as f:
+            f.truncate(64)
+    dist.barrier()
+    path = f"{tmp}/ck-{rank}"
+    env = dict(os.environ)
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+    try:
+        with zb.install(timeout=60):
+            start = time.monotonic()
+            try:
+                ResNetForImageClassification.from_pretrained(path)
+            except Exception as e:
+                return type(e).__name__, str(e)[:300], time.monotonic() - start
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return None, "", time.monotonic() - start
+
+
+def test_from_pretrained_that_raises_on_rank0_only_raises_on_every_rank_without_waiting(ranks2, tmp_path):
+    out = ranks2.run(_from_pretrained_raising_on_rank0, str(tmp_path), timeout=TIMEOUT)
+    assert out[0][0] is not None and out[0][0] != "SyncAbortedError", out  # rank 0: transformers' own error
+    assert out[1][0] == "SyncAbortedError" and "rank 0" in out[1][1], out
+    assert max(o[2] for o in out) < 30, out

@@ -41,7 +41,8 @@ A load that raised is not followed by a sync. A broadcast load that raised on so
 completed on every rank, then one rank's own ``load_state_dict`` refused its state dict, e.g. a key the model lacks
 under ``strict``) must not leave the others waiting in the sync for it: after a ``broadcast_from_rank0`` load every
 rank votes in one small all_gather whether its load raised, and if any did, the ranks that raised re-raise their own
-error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). The sync is the transaction
+error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). So does ``from_pretrained``
+under FSDP rank-0 loading (rank 0 alone reads the checkpoint on 4.x; any rank's may fail). The sync is the transaction
 of ``broadcast_buffers``: a structure that differs (a rank built another model) raises the same
 ``BufferStructureError`` on every rank.
 """
@@ -98,9 +99,18 @@ def _sync(model: nn.Module, group: Any, timeout: float | None) -> None:
     broadcast_buffers(model, src=0, group=group, timeout=timeout, materialize=True)
 
 
+_PRETRAINED = "from_pretrained under FSDP rank-0 loading (zero_buffers.install)"
+
+
 def after_rank0_load(model: nn.Module, timeout: float | None) -> None:
     """``from_pretrained`` under Accelerate's FSDP rank-0 loading ([Note: loads install() follows])."""
+    _agree(None, timeout, _PRETRAINED)
     _sync(model, None, timeout)
+
+
+def rank0_load_failed(error: BaseException, timeout: float | None) -> None:
+    """That ``from_pretrained`` raised here: the vote :func:`after_rank0_load` holds on the others; raises."""
+    _agree(error, timeout, _PRETRAINED)
 
 
 def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
@@ -112,7 +122,7 @@ def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Calla
             result = original(model, state_dict, info)
         except BaseException as e:  # noqa: BLE001 - voted on in _agree, then re-raised
             failure = e
-        _agree(failure, timeout)  # [Note: loads install() follows]: a load that raised on some ranks only
+        _agree(failure, timeout, _LOAD)  # [Note: loads install() follows]: a load that raised on some ranks only
         if not _quiet:
             _sync(model, None, timeout)  # [Note: loads install() follows]
         return result
@@ -122,13 +132,13 @@ def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Calla
 _LOAD = "set_model_state_dict(broadcast_from_rank0=True) (zero_buffers.install)"
 
 
-def _agree(failure: BaseException | None, timeout: float | None) -> None:
+def _agree(failure: BaseException | None, timeout: float | None, what: str) -> None:
     """Every rank of the default group learns whether the load raised anywhere; a rank whose load raised re-raises
     its own error, the others the same SyncAbortedError naming it ([Note: loads install() follows])."""
-    g = _group.resolve(None, _LOAD)
+    g = _group.resolve(None, what)
     if g is not None:
         try:
-            _transaction.vote(g, failure, _wire.Deadline(timeout), _LOAD, "the load raised",
+            _transaction.vote(g, failure, _wire.Deadline(timeout), what, "the load raised",
                               "no buffer was synced (the load itself ran on the ranks that did not raise)")
         except ZeroBuffersError:
             if failure is None:
