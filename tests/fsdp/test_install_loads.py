@@ -410,3 +410,127 @@ def test_a_torch_without_the_load_install_follows_is_a_dependency_error_and_noth
     assert not zb.installed()
     monkeypatch.undo()
     assert all(_patched()[k] is before[k] for k in before)  # the two patched first were put back
+
+
+# ============================================================================================ rank-local states
+
+def _tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+
+def _load_raising_on_rank0(rank, world):
+    """A strict broadcast load whose state dict holds a key the model lacks on rank 0 only: torch's broadcasts
+    complete on every rank, then rank 0's own ``load_state_dict`` raises (unexpected key) and the others' succeed."""
+    import time
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    model = _tiny()
+    full = dict(model.state_dict(), extra=torch.zeros(2)) if rank == 0 else {}
+    with zb.install(timeout=60):
+        start = time.monotonic()  # install() itself imports Accelerate and transformers: not timed
+        try:
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                        broadcast_from_rank0=True))
+        except Exception as e:
+            return type(e).__name__, str(e), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def test_a_broadcast_load_that_raises_on_rank0_only_raises_on_every_rank_without_waiting_for_it(ranks):
+    out = ranks.run(_load_raising_on_rank0, timeout=TIMEOUT)
+    assert out[0][0] == "RuntimeError" and "extra" in out[0][1], out[0]  # rank 0: torch's own error, unchanged
+    for r, (kind, text, _) in enumerate(out[1:], 1):  # the others: the same agreed error naming rank 0
+        assert kind == "SyncAbortedError" and "rank 0" in text and "extra" in text, (r, kind, text)
+    assert max(seconds for *_, seconds in out) < 30, out  # nobody waited out the 60 s deadline for rank 0
+
+
+def _dcp_load_of_a_rank0_only_full_state_dict(rank, world, tmp):
+    """``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` is a full dict on rank 0 and an empty one on
+    the others; every rank passes its own to ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    model = _tiny()
+    dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/ck")
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank))
+    with zb.install(timeout=60):
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        try:
+            dcp.load(full, checkpoint_id=f"{tmp}/ck")
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:300], "entries": len(full)}
+    return {"buffers": _buffers(model), "entries": len(full)}
+
+
+def test_dcp_load_of_a_full_state_dict_held_on_rank0_only_syncs_on_every_rank(ranks2, tmp_path):
+    out = ranks2.run(_dcp_load_of_a_rank0_only_full_state_dict, str(tmp_path), timeout=TIMEOUT)
+    assert out[0]["entries"] > 0 and out[1]["entries"] == 0  # the rank-local state: rank 0's dict alone is full
+    assert not any("error" in o for o in out), [o.get("error") for o in out]
+    _check_fixed(out)
+
+
+def _dcp_load_after_rank0_alone_built_more_state_dicts(rank, world, tmp):
+    """Every rank builds the state dict it passes to ``dcp.load`` while installed; in between, rank 0 alone (its
+    logging, say) builds more sharded state dicts of another module than install() remembers, so it has forgotten
+    the one it loads and the others have not."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    model = _tiny()
+    dcp.save(model.state_dict(), checkpoint_id=f"{tmp}/ck")
+    with zb.install(timeout=60):
+        state = get_model_state_dict(model)
+        if rank == 0:
+            other = nn.Linear(2, 2)
+            for _ in range(100):
+                get_model_state_dict(other)  # no collective: any rank may call it alone
+        start = time.monotonic()
+        try:
+            dcp.load(state, checkpoint_id=f"{tmp}/ck")
+        except Exception as e:
+            return type(e).__name__, str(e), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def test_dcp_load_followed_on_some_ranks_only_raises_the_same_error_on_every_rank_without_waiting(ranks2, tmp_path):
+    out = ranks2.run(_dcp_load_after_rank0_alone_built_more_state_dicts, str(tmp_path), timeout=TIMEOUT)
+    assert [o[0] for o in out] == ["BufferStructureError"] * 2, out
+    assert out[0][1] == out[1][1] and "rank 0" in out[0][1] and "rank 1" in out[0][1], out
+    assert max(o[2] for o in out) < 30, out  # nobody waited out the 60 s deadline
+
+
+def _from_pretrained_raising_on_rank0(rank, world, tmp):
+    """transformers' FSDP rank-0 loading where rank 0's checkpoint is unreadable (a truncated weights file) and
+    the others' is fine: rank 0's from_pretrained raises, the others' returns."""
+    import time
+
+    from transformers import ResNetForImageClassification
+    if rank == 0:
+        for r in range(world):
+            _resnet(True).save_pretrained(f"{tmp}/ck-{r}")
+        with open(f"{tmp}/ck-0/model.safetensors", "r+b") as f:
+            f.truncate(64)
+    dist.barrier()
+    path = f"{tmp}/ck-{rank}"
+    env = dict(os.environ)
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+    try:
+        with zb.install(timeout=60):
+            start = time.monotonic()
+            try:
+                ResNetForImageClassification.from_pretrained(path)
+            except Exception as e:
+                return type(e).__name__, str(e)[:300], time.monotonic() - start
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return None, "", time.monotonic() - start
+
+
+def test_from_pretrained_that_raises_on_rank0_only_raises_on_every_rank_without_waiting(ranks2, tmp_path):
+    out = ranks2.run(_from_pretrained_raising_on_rank0, str(tmp_path), timeout=TIMEOUT)
+    assert out[0][0] is not None and out[0][0] != "SyncAbortedError", out  # rank 0: transformers' own error
+    assert out[1][0] == "SyncAbortedError" and "rank 0" in out[1][1], out
+    assert max(o[2] for o in out) < 30, out

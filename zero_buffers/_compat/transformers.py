@@ -51,9 +51,11 @@ def zero3_enabled() -> bool:
     return bool(check())
 
 
-def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int]) -> Callable[[], None] | None:
-    """Make ``PreTrainedModel.from_pretrained`` call ``after(model)`` before returning (``loading[0]`` counts the
-    calls in progress); returns the undo, or None when transformers cannot be imported."""
+def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int],
+                         failed: Callable[[BaseException], None]) -> Callable[[], None] | None:
+    """Make ``PreTrainedModel.from_pretrained`` call ``after(model)`` before returning, and ``failed(error)`` before
+    its error propagates (``loading[0]`` counts the calls in progress); returns the undo, or None when transformers
+    cannot be imported."""
     try:
         from transformers import modeling_utils
     except ImportError:
@@ -70,8 +72,11 @@ def wrap_from_pretrained(after: Callable[[Any], None], loading: list[int]) -> Ca
             loading[0] += 1
             try:
                 result = func(klass, *args, **kwargs)
-            finally:
+            except BaseException as e:
                 loading[0] -= 1
+                failed(e)
+                raise
+            loading[0] -= 1
             after(result[0] if isinstance(result, tuple) else result)  # output_loading_info=True gives a tuple
             return result
         return classmethod(from_pretrained)

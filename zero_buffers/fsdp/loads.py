@@ -18,9 +18,13 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
 * ``torch.distributed.checkpoint.load(state_dict, process_group=pg)`` where ``state_dict`` (or one of its values)
   is a dict ``get_model_state_dict`` / ``get_state_dict`` returned while installed: every rank read the same
   persistent entries from the files; the buffers DCP never saved are synced from rank 0 of ``pg`` (the default
-  group when None). A state dict from ``model.state_dict()`` names no model and is not followed, nor is a load
-  through a ``Stateful`` (its own ``load_state_dict`` runs ``set_state_dict``, covered as above), nor
-  ``no_dist=True``;
+  group when None); every rank's dict counts, an empty one too (``full_state_dict=True, cpu_offload=True`` gives
+  rank 0 the entries and the others ``{}``: each rank follows its own, so all of them sync). A state dict from
+  ``model.state_dict()`` names no model and is not followed, nor is a load through a ``Stateful`` (its own
+  ``load_state_dict`` runs ``set_state_dict``, covered as above), nor ``no_dist=True``. Every rank of ``pg``
+  then says in one small all_gather how many models it follows: where they differ (a rank that built more state
+  dicts than install() remembers, or replaced a value of its dict, follows none), every rank raises the same
+  ``BufferStructureError``;
 * Accelerate's ``fsdp2_load_full_state_dict`` (``cpu_ram_efficient_loading``): its loop reads every state-dict
   entry as a sharded parameter and fails on a persistent buffer (a plain tensor has no ``device_mesh``). While
   installed, a model without persistent buffers loads through Accelerate's own loop; one with them through torch's
@@ -33,8 +37,14 @@ the load itself ran over, so every buffer, persistent or not, is rank 0's, bit f
   constructor made): from global rank 0 over the default group, as it returns (its parameters are Accelerate's
   to broadcast at ``prepare``).
 
-A load that raised is not followed by a sync. The sync is the transaction of ``broadcast_buffers``: a structure
-that differs (a rank built another model) raises the same ``BufferStructureError`` on every rank.
+A load that raised is not followed by a sync. A broadcast load that raised on some ranks only (torch's broadcasts
+completed on every rank, then one rank's own ``load_state_dict`` refused its state dict, e.g. a key the model lacks
+under ``strict``) must not leave the others waiting in the sync for it: after a ``broadcast_from_rank0`` load every
+rank votes in one small all_gather whether its load raised, and if any did, the ranks that raised re-raise their own
+error and the others raise the same ``SyncAbortedError`` naming them (nothing synced). So does ``from_pretrained``
+under FSDP rank-0 loading (rank 0 alone reads the checkpoint on 4.x; any rank's may fail). The sync is the transaction
+of ``broadcast_buffers``: a structure that differs (a rank built another model) raises the same
+``BufferStructureError`` on every rank.
 """
 from __future__ import annotations
 
@@ -45,8 +55,15 @@ from typing import Any
 from torch import nn
 
 from .._compat import accelerate as acc_compat, torch as torch_compat
-from .._core import modules as _modules
+from .._core import (
+    group as _group,
+    modules as _modules,
+    structure as _structure,
+    transaction as _transaction,
+    wire as _wire,
+)
 from ..broadcast import broadcast_buffers
+from ..errors import BufferStructureError, ZeroBuffersError
 
 _state_dicts: dict[int, tuple[weakref.ref[nn.Module], tuple[int, ...]]] = {}  # id(dict) -> model, ids of its values
 _REMEMBERED = 64  # state dicts remembered at most (the newest); one per get_model_state_dict call
@@ -82,18 +99,52 @@ def _sync(model: nn.Module, group: Any, timeout: float | None) -> None:
     broadcast_buffers(model, src=0, group=group, timeout=timeout, materialize=True)
 
 
+_PRETRAINED = "from_pretrained under FSDP rank-0 loading (zero_buffers.install)"
+
+
 def after_rank0_load(model: nn.Module, timeout: float | None) -> None:
     """``from_pretrained`` under Accelerate's FSDP rank-0 loading ([Note: loads install() follows])."""
+    _agree(None, timeout, _PRETRAINED)
     _sync(model, None, timeout)
+
+
+def rank0_load_failed(error: BaseException, timeout: float | None) -> None:
+    """That ``from_pretrained`` raised here: the vote :func:`after_rank0_load` holds on the others; raises."""
+    _agree(error, timeout, _PRETRAINED)
 
 
 def _set_then_sync(original: Callable[..., Any], timeout: float | None) -> Callable[..., Any]:
     def _load_model_state_dict(model: nn.Module, state_dict: Any, info: Any) -> Any:
-        result = original(model, state_dict, info)
-        if torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module) and not _quiet:
+        if not (torch_compat.broadcasts_from_rank0(info) and isinstance(model, nn.Module)):
+            return original(model, state_dict, info)
+        failure: BaseException | None = None
+        try:
+            result = original(model, state_dict, info)
+        except BaseException as e:  # noqa: BLE001 - voted on in _agree, then re-raised
+            failure = e
+        _agree(failure, timeout, _LOAD)  # [Note: loads install() follows]: a load that raised on some ranks only
+        if not _quiet:
             _sync(model, None, timeout)  # [Note: loads install() follows]
         return result
     return _load_model_state_dict
+
+
+_LOAD = "set_model_state_dict(broadcast_from_rank0=True) (zero_buffers.install)"
+
+
+def _agree(failure: BaseException | None, timeout: float | None, what: str) -> None:
+    """Every rank of the default group learns whether the load raised anywhere; a rank whose load raised re-raises
+    its own error, the others the same SyncAbortedError naming it ([Note: loads install() follows])."""
+    g = _group.resolve(None, what)
+    if g is not None:
+        try:
+            _transaction.vote(g, failure, _wire.Deadline(timeout), what, "the load raised",
+                              "no buffer was synced (the load itself ran on the ranks that did not raise)")
+        except ZeroBuffersError:
+            if failure is None:
+                raise
+    if failure is not None:
+        raise failure
 
 
 def _value_ids(state_dict: dict) -> tuple[int, ...]:
@@ -103,7 +154,9 @@ def _value_ids(state_dict: dict) -> tuple[int, ...]:
 def _remembering(original: Callable[..., Any]) -> Callable[..., Any]:
     def _get_model_state_dict(model: nn.Module, info: Any) -> Any:
         state_dict = original(model, info)
-        if isinstance(state_dict, dict) and state_dict and isinstance(model, nn.Module):
+        # an empty one too: a full state dict with cpu_offload is rank 0's alone, the others get {} and must follow
+        # the same dcp.load as rank 0 (the sync is a collective)
+        if isinstance(state_dict, dict) and isinstance(model, nn.Module):
             for key in [k for k, (ref, _) in _state_dicts.items() if ref() is None]:
                 del _state_dicts[key]
             while len(_state_dicts) >= _REMEMBERED:
@@ -131,10 +184,32 @@ def _dcp_load_then_sync(original: Callable[..., Any], timeout: float | None) -> 
         models = _models_of(state_dict)  # before: a load may put new values into the dict
         result = original(state_dict, *args, **kwargs)
         if not kwargs.get("no_dist", False):
+            _agree_followed(len(models), kwargs.get("process_group"), timeout)
             for model in models:
                 _sync(model, kwargs.get("process_group"), timeout)  # [Note: loads install() follows]
         return result
     return load
+
+
+_DCP = "dcp.load (zero_buffers.install)"
+
+
+def _agree_followed(count: int, group: Any, timeout: float | None) -> None:
+    """Which state dicts a rank follows is its own memory of them (a rank that built more than it remembers, or
+    mutated its dict, follows none): one small all_gather of how many models each rank syncs, and a
+    BufferStructureError on every rank where they differ, instead of some ranks waiting in a sync the others skip
+    ([Note: loads install() follows])."""
+    g = _group.resolve(group, _DCP)
+    if g is None:
+        return
+    counts = [v[0] for v in _wire.all_gather_values(g, [count], _wire.Deadline(timeout), _DCP)]
+    if any(c != counts[0] for c in counts):
+        said = [f"{c} model(s) to sync" for c in counts]
+        raise BufferStructureError(
+            f"{_DCP}: ranks follow different state dicts: {_structure.by_value(g.ranks, said)} (a rank follows the "
+            "dict get_model_state_dict / get_state_dict returned, unchanged, among the last "
+            f"{_REMEMBERED} it built). The load itself completed; no buffer was synced: call "
+            "zero_buffers.broadcast_buffers(model, materialize=True) on every rank", None, dict(zip(g.ranks, said)))
 
 
 def _has_persistent_buffers(model: nn.Module) -> bool:

@@ -258,7 +258,8 @@ def install(*, src: int = 0, timeout: _args.Timeout = None,
                 _undo.append(_kept_spec.clear)
             _undo.append(_patch_init_context(src, seconds))
             _undo.append(_patch_gathered_parameters(seconds))
-        undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading)
+        undo_hf = hf_compat.wrap_from_pretrained(lambda model: _after_from_pretrained(model, src, seconds), _loading,
+                                                 lambda error: _from_pretrained_failed(error, seconds))
         if undo_hf is not None:
             _undo.append(undo_hf)
     except BaseException:
@@ -423,6 +424,13 @@ def _after_from_pretrained(model: Any, src: int, timeout: float | None) -> None:
         broadcast_buffers(model, src=src, group=group, timeout=timeout)
     elif hf_compat.fsdp_rank0_loading():
         _loads.after_rank0_load(model, timeout)  # [Note: loads install() follows]
+
+
+def _from_pretrained_failed(error: BaseException, timeout: float | None) -> None:
+    """Under Accelerate's FSDP rank-0 loading, a from_pretrained that raised votes, so the ranks whose load returned
+    raise too instead of waiting in the sync ([Note: loads install() follows])."""
+    if not hf_compat.zero3_enabled() and hf_compat.fsdp_rank0_loading():
+        _loads.rank0_load_failed(error, timeout)
 
 
 def _warn_once(key: str, message: str) -> None:
