@@ -256,6 +256,105 @@ def test_a_bf16_bias_is_updated_from_an_fp32_copy_and_the_model_still_generates_
     assert dist.is_available()
 
 
+class _Log(list):
+    """The collectives of zero_buffers' callbacks only: paused while DeepSpeed's own step runs."""
+
+    paused = False
+
+    def append(self, item):
+        if not self.paused:
+            super().append(item)
+
+
+def _riding(rank, world, order, kis_every):
+    """STEPS ZeRO-3 steps with keep_in_sync and router_bias on one engine (made in ``order``), the collectives of each
+    engine.step() besides DeepSpeed's own logged; then the router removed, keep_in_sync's alone. Returns what _check
+    takes, the logs and the steady log of keep_in_sync alone."""
+    from tests.helpers import init_deepspeed, log_collectives, restore_collectives
+    deepspeed = init_deepspeed()
+    model = _model()
+    deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    log = _Log()
+    deepspeed_step = engine.step
+
+    def quiet(*args, **kwargs):  # the innermost step: DeepSpeed's, not logged
+        log.paused = True
+        try:
+            return deepspeed_step(*args, **kwargs)
+        finally:
+            log.paused = False
+    object.__setattr__(engine, "step", quiet)
+    if order == "kis_first":
+        kept = zb.keep_in_sync(engine, every=kis_every)
+        handle = zb.router_bias(engine, gamma=GAMMA)
+    else:
+        handle = zb.router_bias(engine, gamma=GAMMA)
+        kept = zb.keep_in_sync(engine, every=kis_every)
+    rode = handle.riding is kept
+    module = engine.module
+
+    def step(ids):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        del log[:]
+        real = log_collectives(log)
+        try:
+            engine.step()
+        finally:
+            restore_collectives(real)
+        return list(log)
+    logs, loads = [], []
+    for s in range(STEPS):
+        logs.append(step(_batch(rank, s)))
+        loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    out = {"bias": {n: _bias(module, n).detach().clone() for n in GATES}, "loads": loads, "eval": [False],
+           "dtypes": {n: _bias(module, n).dtype for n in GATES}, "updates": handle.updates, "rode": rode,
+           "logs": logs, "state_dict": sorted(module.state_dict())}
+    handle.remove()  # keep_in_sync carries on alone (it agrees again at its next sync)
+    alone = [step(_batch(rank, STEPS + s)) for s in range(2 * kis_every)]
+    kept.remove()
+    out["alone"] = alone[-kis_every:]
+    out["syncs"] = kept.syncs
+    return out
+
+
+_COUNTS = ("all_reduce", "torch.int64", 16)  # both gates' tokens per expert, one int64 bucket
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("order", ["kis_first", "router_first"])
+def test_with_keep_in_sync_the_counts_ride_in_its_sync_and_the_bias_equals_the_float64_reference(ranks, order):
+    """keep_in_sync and router_bias on one ZeRO-3 engine, made in either order: every step costs keep_in_sync's
+    collectives and the counts' int64 bucket, none of the router's own transaction (its agreement, vote), and the
+    biases still equal the float64 global-batch reference, bitwise equal on every rank."""
+    out = ranks.run(_riding, order, 1, timeout=300)
+    _check(out, reference(ranks.world_size))
+    for o in out:
+        assert o["rode"], "router_bias did not ride in keep_in_sync's sync"
+        alone = o["alone"][-1]
+        assert alone and all(c[0] in ("broadcast", "all_reduce") for c in alone), alone  # the steady sync
+        for s, got in enumerate(o["logs"][1:], 1):  # step 0 is keep_in_sync's first sync: the agreement
+            assert sorted(got) == sorted([*alone, _COUNTS]), (s, got, alone)
+        assert not any(n.endswith("[tokens_per_expert]") for n in o["state_dict"]), o["state_dict"]
+
+
+@pytest.mark.stack
+def test_when_keep_in_sync_syncs_every_other_step_the_router_sums_its_own_steps_and_stays_exact(ranks2):
+    out = ranks2.run(_riding, "kis_first", 2, timeout=300)
+    _check(out, reference(2))
+    for o in out:
+        assert o["rode"]
+        alone = o["alone"]
+        assert alone[0] == [] and alone[1], alone  # keep_in_sync alone: a sync every other step
+        for s, got in enumerate(o["logs"][2:], 2):
+            if s % 2:  # keep_in_sync syncs: the counts ride along
+                assert sorted(got) == sorted([*alone[1], _COUNTS]), (s, got)
+            else:  # keep_in_sync does not sync: the router's own transaction (agreement, sum, vote)
+                assert [c[0] for c in got] == ["all_gather", "all_reduce", "all_gather"], (s, got)
+
+
 def _engine_with_keep_in_sync(rank, world):
     from tests.helpers import init_deepspeed
     deepspeed = init_deepspeed()
@@ -275,15 +374,16 @@ def _engine_with_keep_in_sync(rank, world):
         refused = False
     except zb.InvalidArgumentError:
         refused = True
+    rode = handle.riding is kept
     handle.remove()
     kept.remove()
     return {"syncs": kept.syncs, "updates": handle.updates, "refused": refused, "restored": "step" not in vars(engine),
-            "load": int(handle.last_load[GATES[0]].sum())}
+            "load": int(handle.last_load[GATES[0]].sum()), "rode": rode}
 
 
 @pytest.mark.stack
 def test_router_bias_and_keep_in_sync_on_one_engine_each_run_once_per_optimizer_step(ranks2):
     out = ranks2.run(_engine_with_keep_in_sync, timeout=300)
     for o in out:
-        assert o == {"syncs": 2, "updates": 2, "refused": True, "restored": True,
+        assert o == {"syncs": 2, "updates": 2, "refused": True, "restored": True, "rode": True,
                      "load": 2 * 2 * 2 * SEQ * 2}, o  # ranks x micro-batches x batch x tokens x top-2
