@@ -266,13 +266,18 @@ class _Log(list):
             super().append(item)
 
 
-def _riding(rank, world, order, kis_every):
+def _riding(rank, world, order, kis_every, counter=False):
     """STEPS ZeRO-3 steps with keep_in_sync and router_bias on one engine (made in ``order``), the collectives of each
     engine.step() besides DeepSpeed's own logged; then the router removed, keep_in_sync's alone. Returns what _check
-    takes, the logs and the steady log of keep_in_sync alone."""
+    takes, the logs and the steady log of keep_in_sync alone. ``counter``: the model holds an int64 counter of its
+    own that keep_in_sync sums."""
     from tests.helpers import init_deepspeed, log_collectives, restore_collectives
     deepspeed = init_deepspeed()
     model = _model()
+    rules = {}
+    if counter:
+        model.model.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64), persistent=False)
+        rules = {"model.tokens_seen": "sum"}
     deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
               "zero_allow_untested_optimizer": True}
@@ -288,11 +293,11 @@ def _riding(rank, world, order, kis_every):
             log.paused = False
     object.__setattr__(engine, "step", quiet)
     if order == "kis_first":
-        kept = zb.keep_in_sync(engine, every=kis_every)
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
         handle = zb.router_bias(engine, gamma=GAMMA)
     else:
         handle = zb.router_bias(engine, gamma=GAMMA)
-        kept = zb.keep_in_sync(engine, every=kis_every)
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
     rode = handle.riding is kept
     module = engine.module
 
@@ -312,11 +317,17 @@ def _riding(rank, world, order, kis_every):
     out = {"bias": {n: _bias(module, n).detach().clone() for n in GATES}, "loads": loads, "eval": [False],
            "dtypes": {n: _bias(module, n).dtype for n in GATES}, "updates": handle.updates, "rode": rode,
            "logs": logs, "state_dict": sorted(module.state_dict())}
-    handle.remove()  # keep_in_sync carries on alone (it agrees again at its next sync)
-    alone = [step(_batch(rank, STEPS + s)) for s in range(2 * kis_every)]
+    if order == "kis_first":
+        handle.remove()  # keep_in_sync carries on alone (it agrees again at its next sync)
+    else:
+        kept.remove()  # the router carries on alone, with its own transaction
+        out["own"] = [step(_batch(rank, STEPS + s)) for s in range(2)]
+        out["own_updates"] = handle.updates
+        handle.remove()
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
+    alone = [step(_batch(rank, STEPS + 2 + s)) for s in range(2 * kis_every)]
     kept.remove()
     out["alone"] = alone[-kis_every:]
-    out["syncs"] = kept.syncs
     return out
 
 
@@ -338,6 +349,21 @@ def test_with_keep_in_sync_the_counts_ride_in_its_sync_and_the_bias_equals_the_f
         for s, got in enumerate(o["logs"][1:], 1):  # step 0 is keep_in_sync's first sync: the agreement
             assert sorted(got) == sorted([*alone, _COUNTS]), (s, got, alone)
         assert not any(n.endswith("[tokens_per_expert]") for n in o["state_dict"]), o["state_dict"]
+        if order == "router_first":  # keep_in_sync removed: the router's own transaction again, every step
+            assert o["own_updates"] == STEPS + 2
+            assert [c[0] for c in o["own"][-1]] == ["all_gather", "all_reduce", "all_gather"], o["own"]
+
+
+@pytest.mark.stack
+def test_with_an_int64_sum_buffer_of_the_model_the_counts_share_its_bucket_and_add_no_collective(ranks2):
+    out = ranks2.run(_riding, "kis_first", 1, True, timeout=300)
+    _check(out, reference(2))
+    for o in out:
+        alone = o["alone"][-1]
+        assert ("all_reduce", "torch.int64", 1) in alone, alone  # keep_in_sync alone sums the counter
+        want = [("all_reduce", "torch.int64", 1 + 16) if c == ("all_reduce", "torch.int64", 1) else c for c in alone]
+        for s, got in enumerate(o["logs"][1:], 1):
+            assert len(got) == len(alone) and sorted(got) == sorted(want), (s, got, alone)
 
 
 @pytest.mark.stack
