@@ -77,13 +77,15 @@ def reference(world: int, rule: str = "sign") -> dict:
     return {"bias": {n: _bias(model, n).clone() for n in GATES}, "loads": loads}
 
 
-def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: str = "sign") -> dict:
+def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: str = "sign",
+           kis: bool = False) -> dict:
     """STEPS optimizer steps under ``kind`` ("zero3" or "fsdp2"); an eval forward before every step must change
     nothing. Returns the biases (fp32, as held), the global loads of each update and what the eval forwards did."""
     if kind == "zero3":
         from tests.helpers import init_deepspeed
         deepspeed = init_deepspeed()
     model = _model()
+    kept = None
     if checkpointing is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     if kind == "zero3":
@@ -107,6 +109,7 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         handle = zb.router_bias(model, gamma=GAMMA, rule=rule, optimizer=opt)
+        kept = zb.keep_in_sync(model) if kis else None  # syncs before train forwards: the router does not ride
 
         def step(ids: torch.Tensor) -> None:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -126,10 +129,13 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
                             any(not torch.equal(before[1][n], _bias(module, n)) for n in GATES))
         step(_batch(rank, s))
         loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    rode = handle.riding is not None
     handle.remove()
+    if kept is not None:
+        kept.remove()
     dtypes = {n: _bias(module, n).dtype for n in GATES}
     return {"bias": {n: _bias(module, n).detach().clone() for n in GATES}, "loads": loads, "eval": eval_changed,
-            "dtypes": dtypes, "updates": handle.updates}
+            "dtypes": dtypes, "updates": handle.updates, "rode": rode}
 
 
 def _check(out: list[dict], ref: dict) -> None:
@@ -163,6 +169,12 @@ def test_zero3_gradient_checkpointing_counts_each_micro_batch_once(ranks2, reent
 def test_fsdp2_router_bias_equals_the_float64_global_batch_reference_and_is_bitwise_equal_on_every_rank(ranks):
     out = ranks.run(_train, "fsdp2", None, "proportional", timeout=300)
     _check(out, reference(ranks.world_size, "proportional"))
+
+
+def test_fsdp2_with_keep_in_sync_the_router_keeps_its_own_transaction_and_stays_exact(ranks2):
+    out = ranks2.run(_train, "fsdp2", None, "sign", True, timeout=300)
+    _check(out, reference(2))
+    assert not any(o["rode"] for o in out)  # keep_in_sync ticks on forwards, the router on optimizer steps
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
