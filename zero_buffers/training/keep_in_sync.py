@@ -501,7 +501,8 @@ class KeepInSync:
         every rank counts as every rank having added minus the last total. Local: it issues no collective, so a rank
         that forgets it gets wrong sums, never a hang."""
         stats = {id(t) for bn in self.plan.bns for _, t in bn.entries()}
-        steady = self._steady
+        steady = self._steady if self._steady is not None else self._last  # awaiting a new agreement (a rider
+        # joined or left, the structure changed): the bases it will carry over are set here
         if steady is None:  # before the first sync: the first sync compares this across ranks
             self._at_start = {a.name: _local(a.tensor).detach().clone() for a in self.plan.assigned
                               if not a.tensor.is_meta and (a.rule == "sum" or id(a.tensor) in stats)
