@@ -268,6 +268,65 @@ def test_a_bf16_bias_is_updated_from_an_fp32_copy_and_the_model_still_generates_
     assert dist.is_available()
 
 
+def _zero3_engine(accumulation: int = 1, counter: bool = False):
+    """The tiny model on a ZeRO-3 engine; ``counter``: with an int64 buffer ``model.tokens_seen`` of its own."""
+    from tests.helpers import init_deepspeed
+    deepspeed = init_deepspeed()
+    model = _model()
+    if counter:
+        model.model.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64), persistent=False)
+    deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True, "gradient_accumulation_steps": accumulation}
+    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    return engine
+
+
+def _riding_fault(rank, world):
+    """Riding, a failure on rank 1 while keep_in_sync packs at step 2: every rank raises, no bias moves; step 3's
+    update uses every rank's counts of steps 2 and 3 (``local``: this rank's before each engine.step)."""
+    from zero_buffers._core import transaction
+    engine = _zero3_engine()
+    kept = zb.keep_in_sync(engine)
+    handle = zb.router_bias(engine, gamma=GAMMA)
+    module, loads, local, raised = engine.module, [], [], None
+    for s in range(4):
+        ids = _batch(rank, s)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        before = {n: _bias(module, n).clone() for n in GATES}
+        local.append(handle.counts())
+        real = transaction.reached
+        if s == 2 and rank == 1:
+            def failing(phase, what):
+                if phase == transaction.Phase.PREPARE:
+                    raise RuntimeError("injected")
+            transaction.reached = failing
+        try:
+            engine.step()
+        except zb.SyncAbortedError as e:
+            raised = (s, str(e))
+            assert all(torch.equal(before[n], _bias(module, n)) for n in GATES)
+        finally:
+            transaction.reached = real
+        loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    handle.remove()
+    kept.remove()
+    return {"raised": raised, "loads": loads, "updates": handle.updates, "local": local,
+            "bias": {n: _bias(module, n).detach().clone() for n in GATES}}
+
+
+@pytest.mark.stack
+def test_riding_a_failure_on_one_rank_raises_on_every_rank_and_the_counts_carry_over(ranks2):
+    out = ranks2.run(_riding_fault, timeout=300)
+    for o in out:
+        assert o["raised"] is not None and o["raised"][0] == 2, o["raised"]
+        assert o["updates"] == 3  # the failed step updated nothing
+        for n in GATES:
+            want = sum(p["local"][3][n] for p in out)  # both steps of both ranks, counted once
+            assert int(want.sum()) == 2 * 2 * 2 * SEQ * 2 and torch.equal(o["loads"][3][n], want), (n, o["loads"])
+            assert torch.equal(o["bias"][n], out[0]["bias"][n])
+
+
 class _Log(list):
     """The collectives of zero_buffers' callbacks only: paused while DeepSpeed's own step runs."""
 
@@ -283,17 +342,9 @@ def _riding(rank, world, order, kis_every, counter=False):
     engine.step() besides DeepSpeed's own logged; then the router removed, keep_in_sync's alone. Returns what _check
     takes, the logs and the steady log of keep_in_sync alone. ``counter``: the model holds an int64 counter of its
     own that keep_in_sync sums."""
-    from tests.helpers import init_deepspeed, log_collectives, restore_collectives
-    deepspeed = init_deepspeed()
-    model = _model()
-    rules = {}
-    if counter:
-        model.model.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64), persistent=False)
-        rules = {"model.tokens_seen": "sum"}
-    deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
-              "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    from tests.helpers import log_collectives, restore_collectives
+    engine = _zero3_engine(counter=counter)
+    rules = {"model.tokens_seen": "sum"} if counter else {}
     log = _Log()
     deepspeed_step = engine.step
 
@@ -394,13 +445,7 @@ def test_when_keep_in_sync_syncs_every_other_step_the_router_sums_its_own_steps_
 
 
 def _engine_with_keep_in_sync(rank, world):
-    from tests.helpers import init_deepspeed
-    deepspeed = init_deepspeed()
-    model = _model()
-    deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
-              "zero_allow_untested_optimizer": True, "gradient_accumulation_steps": 2}
-    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    engine = _zero3_engine(accumulation=2)
     kept = zb.keep_in_sync(engine)
     handle = zb.router_bias(engine, gamma=GAMMA)  # wraps keep_in_sync's engine.step in turn
     for s in range(4):  # 4 micro-batches, 2 optimizer steps
