@@ -76,7 +76,7 @@ def bench(ctx: dict) -> list[dict]:
 
     def count() -> None:  # every gate's counting hook, as one forward runs them
         for gate, module, inputs, output in captured:
-            _count(gate, module, inputs, output)
+            _count(gate, handle, module, inputs, output)
 
     times = timed_together({"plain_step": lambda: step(0), "step_with_router_bias": lambda: step(1)},
                            ctx["repeats"], ctx["device"])

@@ -77,13 +77,15 @@ def reference(world: int, rule: str = "sign") -> dict:
     return {"bias": {n: _bias(model, n).clone() for n in GATES}, "loads": loads}
 
 
-def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: str = "sign") -> dict:
+def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: str = "sign",
+           kis: bool = False) -> dict:
     """STEPS optimizer steps under ``kind`` ("zero3" or "fsdp2"); an eval forward before every step must change
     nothing. Returns the biases (fp32, as held), the global loads of each update and what the eval forwards did."""
     if kind == "zero3":
         from tests.helpers import init_deepspeed
         deepspeed = init_deepspeed()
     model = _model()
+    kept = None
     if checkpointing is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     if kind == "zero3":
@@ -107,6 +109,7 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         handle = zb.router_bias(model, gamma=GAMMA, rule=rule, optimizer=opt)
+        kept = zb.keep_in_sync(model) if kis else None  # syncs before train forwards: the router does not ride
 
         def step(ids: torch.Tensor) -> None:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -126,10 +129,13 @@ def _train(rank: int, world: int, kind: str, checkpointing: bool | None, rule: s
                             any(not torch.equal(before[1][n], _bias(module, n)) for n in GATES))
         step(_batch(rank, s))
         loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    rode = handle.riding is not None
     handle.remove()
+    if kept is not None:
+        kept.remove()
     dtypes = {n: _bias(module, n).dtype for n in GATES}
     return {"bias": {n: _bias(module, n).detach().clone() for n in GATES}, "loads": loads, "eval": eval_changed,
-            "dtypes": dtypes, "updates": handle.updates}
+            "dtypes": dtypes, "updates": handle.updates, "rode": rode}
 
 
 def _check(out: list[dict], ref: dict) -> None:
@@ -163,6 +169,12 @@ def test_zero3_gradient_checkpointing_counts_each_micro_batch_once(ranks2, reent
 def test_fsdp2_router_bias_equals_the_float64_global_batch_reference_and_is_bitwise_equal_on_every_rank(ranks):
     out = ranks.run(_train, "fsdp2", None, "proportional", timeout=300)
     _check(out, reference(ranks.world_size, "proportional"))
+
+
+def test_fsdp2_with_keep_in_sync_the_router_keeps_its_own_transaction_and_stays_exact(ranks2):
+    out = ranks2.run(_train, "fsdp2", None, "sign", True, timeout=300)
+    _check(out, reference(2))
+    assert not any(o["rode"] for o in out)  # keep_in_sync ticks on forwards, the router on optimizer steps
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
@@ -256,14 +268,184 @@ def test_a_bf16_bias_is_updated_from_an_fp32_copy_and_the_model_still_generates_
     assert dist.is_available()
 
 
-def _engine_with_keep_in_sync(rank, world):
+def _zero3_engine(accumulation: int = 1, counter: bool = False):
+    """The tiny model on a ZeRO-3 engine; ``counter``: with an int64 buffer ``model.tokens_seen`` of its own."""
     from tests.helpers import init_deepspeed
     deepspeed = init_deepspeed()
     model = _model()
+    if counter:
+        model.model.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64), persistent=False)
     deepspeed.utils.set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
-              "zero_allow_untested_optimizer": True, "gradient_accumulation_steps": 2}
+              "zero_allow_untested_optimizer": True, "gradient_accumulation_steps": accumulation}
     engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    return engine
+
+
+def _riding_fault(rank, world):
+    """Riding, a failure on rank 1 while keep_in_sync packs at step 2: every rank raises, no bias moves; step 3's
+    update uses every rank's counts of steps 2 and 3 (``local``: this rank's before each engine.step)."""
+    from zero_buffers._core import transaction
+    engine = _zero3_engine()
+    kept = zb.keep_in_sync(engine)
+    handle = zb.router_bias(engine, gamma=GAMMA)
+    module, loads, local, raised = engine.module, [], [], None
+    for s in range(4):
+        ids = _batch(rank, s)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        before = {n: _bias(module, n).clone() for n in GATES}
+        local.append(handle.counts())
+        real = transaction.reached
+        if s == 2 and rank == 1:
+            def failing(phase, what):
+                if phase == transaction.Phase.PREPARE:
+                    raise RuntimeError("injected")
+            transaction.reached = failing
+        try:
+            engine.step()
+        except zb.SyncAbortedError as e:
+            raised = (s, str(e))
+            assert all(torch.equal(before[n], _bias(module, n)) for n in GATES)
+        finally:
+            transaction.reached = real
+        loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    handle.remove()
+    kept.remove()
+    return {"raised": raised, "loads": loads, "updates": handle.updates, "local": local,
+            "bias": {n: _bias(module, n).detach().clone() for n in GATES}}
+
+
+@pytest.mark.stack
+def test_riding_a_failure_on_one_rank_raises_on_every_rank_and_the_counts_carry_over(ranks2):
+    out = ranks2.run(_riding_fault, timeout=300)
+    for o in out:
+        assert o["raised"] is not None and o["raised"][0] == 2, o["raised"]
+        assert o["updates"] == 3  # the failed step updated nothing
+        for n in GATES:
+            want = sum(p["local"][3][n] for p in out)  # both steps of both ranks, counted once
+            assert int(want.sum()) == 2 * 2 * 2 * SEQ * 2 and torch.equal(o["loads"][3][n], want), (n, o["loads"])
+            assert torch.equal(o["bias"][n], out[0]["bias"][n])
+
+
+class _Log(list):
+    """The collectives of zero_buffers' callbacks only: paused while DeepSpeed's own step runs."""
+
+    paused = False
+
+    def append(self, item):
+        if not self.paused:
+            super().append(item)
+
+
+def _riding(rank, world, order, kis_every, counter=False):
+    """STEPS ZeRO-3 steps with keep_in_sync and router_bias on one engine (made in ``order``), the collectives of each
+    engine.step() besides DeepSpeed's own logged; then the router removed, keep_in_sync's alone. Returns what _check
+    takes, the logs and the steady log of keep_in_sync alone. ``counter``: the model holds an int64 counter of its
+    own that keep_in_sync sums."""
+    from tests.helpers import log_collectives, restore_collectives
+    engine = _zero3_engine(counter=counter)
+    rules = {"model.tokens_seen": "sum"} if counter else {}
+    log = _Log()
+    deepspeed_step = engine.step
+
+    def quiet(*args, **kwargs):  # the innermost step: DeepSpeed's, not logged
+        log.paused = True
+        try:
+            return deepspeed_step(*args, **kwargs)
+        finally:
+            log.paused = False
+    object.__setattr__(engine, "step", quiet)
+    if order == "kis_first":
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
+        handle = zb.router_bias(engine, gamma=GAMMA)
+    else:
+        handle = zb.router_bias(engine, gamma=GAMMA)
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
+    rode = handle.riding is kept
+    module = engine.module
+
+    def step(ids):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        del log[:]
+        real = log_collectives(log)
+        try:
+            engine.step()
+        finally:
+            restore_collectives(real)
+        return list(log)
+    logs, loads = [], []
+    for s in range(STEPS):
+        logs.append(step(_batch(rank, s)))
+        loads.append({n: c.clone() for n, c in handle.last_load.items()})
+    out = {"bias": {n: _bias(module, n).detach().clone() for n in GATES}, "loads": loads, "eval": [False],
+           "dtypes": {n: _bias(module, n).dtype for n in GATES}, "updates": handle.updates, "rode": rode,
+           "logs": logs, "state_dict": sorted(module.state_dict())}
+    if order == "kis_first":
+        handle.remove()  # keep_in_sync carries on alone (it agrees again at its next sync)
+    else:
+        kept.remove()  # the router carries on alone, with its own transaction
+        out["own"] = [step(_batch(rank, STEPS + s)) for s in range(2)]
+        out["own_updates"] = handle.updates
+        handle.remove()
+        kept = zb.keep_in_sync(engine, every=kis_every, rules=rules)
+    alone = [step(_batch(rank, STEPS + 2 + s)) for s in range(2 * kis_every)]
+    kept.remove()
+    out["alone"] = alone[-kis_every:]
+    return out
+
+
+_COUNTS = ("all_reduce", "torch.int64", 16)  # both gates' tokens per expert, one int64 bucket
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("order", ["kis_first", "router_first"])
+def test_with_keep_in_sync_the_counts_ride_in_its_sync_and_the_bias_equals_the_float64_reference(ranks, order):
+    """keep_in_sync and router_bias on one ZeRO-3 engine, made in either order: every step costs keep_in_sync's
+    collectives and the counts' int64 bucket, none of the router's own transaction (its agreement, vote), and the
+    biases still equal the float64 global-batch reference, bitwise equal on every rank."""
+    out = ranks.run(_riding, order, 1, timeout=300)
+    _check(out, reference(ranks.world_size))
+    for o in out:
+        assert o["rode"], "router_bias did not ride in keep_in_sync's sync"
+        alone = o["alone"][-1]
+        assert alone and all(c[0] in ("broadcast", "all_reduce") for c in alone), alone  # the steady sync
+        for s, got in enumerate(o["logs"][1:], 1):  # step 0 is keep_in_sync's first sync: the agreement
+            assert sorted(got) == sorted([*alone, _COUNTS]), (s, got, alone)
+        assert not any(n.endswith("[tokens_per_expert]") for n in o["state_dict"]), o["state_dict"]
+        if order == "router_first":  # keep_in_sync removed: the router's own transaction again, every step
+            assert o["own_updates"] == STEPS + 2
+            assert [c[0] for c in o["own"][-1]] == ["all_gather", "all_reduce", "all_gather"], o["own"]
+
+
+@pytest.mark.stack
+def test_with_an_int64_sum_buffer_of_the_model_the_counts_share_its_bucket_and_add_no_collective(ranks2):
+    out = ranks2.run(_riding, "kis_first", 1, True, timeout=300)
+    _check(out, reference(2))
+    for o in out:
+        alone = o["alone"][-1]
+        assert ("all_reduce", "torch.int64", 1) in alone, alone  # keep_in_sync alone sums the counter
+        want = [("all_reduce", "torch.int64", 1 + 16) if c == ("all_reduce", "torch.int64", 1) else c for c in alone]
+        for s, got in enumerate(o["logs"][1:], 1):
+            assert len(got) == len(alone) and sorted(got) == sorted(want), (s, got, alone)
+
+
+@pytest.mark.stack
+def test_when_keep_in_sync_syncs_every_other_step_the_router_sums_its_own_steps_and_stays_exact(ranks2):
+    out = ranks2.run(_riding, "kis_first", 2, timeout=300)
+    _check(out, reference(2))
+    for o in out:
+        assert o["rode"]
+        alone = o["alone"]
+        assert alone[0] == [] and alone[1], alone  # keep_in_sync alone: a sync every other step
+        for s, got in enumerate(o["logs"][2:], 2):
+            if s % 2:  # keep_in_sync syncs: the counts ride along
+                assert sorted(got) == sorted([*alone[1], _COUNTS]), (s, got)
+            else:  # keep_in_sync does not sync: the router's own transaction (agreement, sum, vote)
+                assert [c[0] for c in got] == ["all_gather", "all_reduce", "all_gather"], (s, got)
+
+
+def _engine_with_keep_in_sync(rank, world):
+    engine = _zero3_engine(accumulation=2)
     kept = zb.keep_in_sync(engine)
     handle = zb.router_bias(engine, gamma=GAMMA)  # wraps keep_in_sync's engine.step in turn
     for s in range(4):  # 4 micro-batches, 2 optimizer steps
@@ -275,15 +457,16 @@ def _engine_with_keep_in_sync(rank, world):
         refused = False
     except zb.InvalidArgumentError:
         refused = True
+    rode = handle.riding is kept
     handle.remove()
     kept.remove()
     return {"syncs": kept.syncs, "updates": handle.updates, "refused": refused, "restored": "step" not in vars(engine),
-            "load": int(handle.last_load[GATES[0]].sum())}
+            "load": int(handle.last_load[GATES[0]].sum()), "rode": rode}
 
 
 @pytest.mark.stack
 def test_router_bias_and_keep_in_sync_on_one_engine_each_run_once_per_optimizer_step(ranks2):
     out = ranks2.run(_engine_with_keep_in_sync, timeout=300)
     for o in out:
-        assert o == {"syncs": 2, "updates": 2, "refused": True, "restored": True,
+        assert o == {"syncs": 2, "updates": 2, "refused": True, "restored": True, "rode": True,
                      "load": 2 * 2 * 2 * SEQ * 2}, o  # ranks x micro-batches x batch x tokens x top-2

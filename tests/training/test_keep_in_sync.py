@@ -597,6 +597,30 @@ def test_rebase_after_zeroing_a_sum_counter_on_every_rank_counts_only_what_follo
     assert torch.equal(bare[0][0], 2 * per_step) and not torch.equal(bare[0][1], 2 * per_step)
 
 
+def _rebase_awaiting_agreement(rank, world):
+    model = nn.Module()
+    model.register_buffer("tokens", torch.zeros(3, dtype=torch.int64))
+    handle = zb.keep_in_sync(model, rules={"tokens": "sum"})
+    model.tokens += torch.tensor([rank + 1, 2 * rank, 1])
+    handle.sync()
+    model.register_buffer("extra", torch.zeros(1))  # every rank: the next sync raises and the one after agrees again
+    try:
+        handle.sync()
+    except zb.BufferStructureError:
+        pass
+    model.tokens.zero_()
+    handle.rebase()  # between the two: the bases the new agreement carries over
+    model.tokens += torch.tensor([rank + 1, 2 * rank, 1])
+    handle.sync()
+    handle.remove()
+    return model.tokens.clone()
+
+
+def test_rebase_while_a_new_agreement_is_pending_is_what_that_agreement_carries_over(ranks2):
+    out = ranks2.run(_rebase_awaiting_agreement, timeout=120)
+    assert all(torch.equal(t, torch.tensor([3, 2, 2])) for t in out), out
+
+
 def _meta_at_install(rank, world):
     if rank == 0:
         model = nn.Sequential(nn.BatchNorm1d(3, affine=False))

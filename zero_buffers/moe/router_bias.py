@@ -26,6 +26,18 @@ a vote before anything is written; the first update also broadcasts every bias f
 equal. The update itself is arithmetic every rank does on the same summed integers, in float64, into an fp32 value:
 the biases stay bitwise equal. A bias buffer held in 16 bits (DeepSpeed bf16 without ``keep_precision``) is
 written from an fp32 copy the handle keeps, so small steps are not lost to rounding.
+
+With ``keep_in_sync`` on the same DeepSpeed engine, over the same ranks, from the same ``src``, with every bias under
+its ``"broadcast"`` rule, the counts ride in keep_in_sync's sync instead ([Note: riders], ``training/keep_in_sync.py``):
+one int64 ``"sum"`` entry per gate, so a step costs keep_in_sync's collectives (plus that one int64 bucket, shared
+with any int64 ``"sum"`` buffer) and no transaction of the router's own. Every gate then keeps three int64 vectors:
+``counts`` (cumulative: after a sync the global total, then plus what this rank counted since), ``synced`` (its value
+after the last sync) and ``seen`` (the global total the last update used). An update due at a tick that synced takes
+``load = synced - seen``, the very integers a transaction of its own would have summed; one due at a tick that did
+not (the two ``every`` differ) sums ``counts - synced`` in its own transaction and adds ``synced - seen``. Either way
+the load is exact, the same on every rank, and the arithmetic after it unchanged: the biases are bit-for-bit those
+of the handle alone. Removing either handle leaves the other working (the router goes back to its own transaction,
+with ``synced - seen`` still owed).
 """
 from __future__ import annotations
 
@@ -40,7 +52,7 @@ from torch import nn
 from .._compat import deepspeed as ds_compat, torch as torch_compat
 from .._core import args as _args, group as _group, modules as _modules, notice as _notice, wire as _wire
 from ..errors import InvalidArgumentError
-from ..training import rules as rules_mod
+from ..training import keep_in_sync as kis_mod, rules as rules_mod
 from . import gates as _gates
 
 _FN = "router_bias"
@@ -57,8 +69,15 @@ class _Gate:
     name: str
     module: nn.Module
     adapter: _gates.Adapter
-    counts: torch.Tensor  # int64, one per expert
+    counts: torch.Tensor  # int64, one per expert: this rank's since the last update (riding: cumulative, module doc)
+    synced: torch.Tensor  # int64: ``counts`` after the last sync it rode in (zeros when not riding)
+    seen: torch.Tensor  # int64: the global total the last update used (relative to ``synced``'s origin)
     master: torch.Tensor | None = None
+
+    @property
+    def counts_name(self) -> str:
+        """The name its counts travel under: no buffer's (a buffer name has no brackets)."""
+        return f"{self.name}[tokens_per_expert]"
 
     @property
     def bias(self) -> torch.Tensor:
@@ -91,15 +110,63 @@ class RouterBias:
         self.updates = 0
         self.last_load: dict[str, torch.Tensor] = {}
         self._steps = 0
+        self.engine: Any = None  # the DeepSpeed engine whose steps tick it, if any
+        self.riding: kis_mod.KeepInSync | None = None  # the keep_in_sync handle its counts ride in ([Note: riders])
         self._undo: list[Callable[[], None]] = [self._unmark]  # run last to first by remove()
         for gate in found:
-            handle = gate.module.register_forward_hook(functools.partial(_count, gate))
+            handle = gate.module.register_forward_hook(functools.partial(_count, gate, self))
             self._undo.append(handle.remove)
         module.__dict__[_MARK] = self
 
+    # -- [Note: riders]: the counts in keep_in_sync's sync ------------------------------------------------------------
+    def join(self, kis: kis_mod.KeepInSync) -> None:
+        """Ride in ``kis``'s sync when it is ticked by the same engine's steps, over the same ranks, from the same
+        source, with every bias broadcast; else keep the own transaction."""
+        rules = {id(a.tensor): a.rule for a in kis.plan.assigned}
+        if self.riding is not None or self.engine is None or not kis.engine or kis.target is not self.engine or \
+                self.g is None or kis.g is None or kis.g.mesh is not None or kis.g.ranks != self.g.ranks or \
+                kis.src != self.src or any(rules.get(id(gate.bias)) != "broadcast" for gate in self.gates):
+            return
+        with torch.no_grad():  # from here the counts are counted from zero in kis's "sum": only this rank's part
+            for gate in self.gates:
+                gate.counts.sub_(gate.synced)
+                gate.seen.sub_(gate.synced)
+                gate.synced.zero_()
+        self.riding = kis
+        kis.attach(self)
+
+    def entries(self) -> list[rules_mod.Assigned]:
+        return [rules_mod.Assigned(gate.counts_name, gate.counts, "sum", _FN) for gate in self.gates]
+
+    def synced(self) -> None:
+        with torch.no_grad():
+            for gate in self.gates:
+                gate.synced.copy_(gate.counts)
+
+    def ticked(self, synced: bool) -> None:
+        self._steps += 1
+        if self._steps % self.every == 0:
+            if synced:  # the global totals are here: no collective
+                loads = {gate.name: gate.synced - gate.seen for gate in self.gates}
+                with torch.no_grad():
+                    for gate in self.gates:
+                        gate.seen.copy_(gate.synced)
+                self._apply(loads)
+            else:
+                self.update()
+
+    def dropped(self) -> None:
+        self.riding = None
+
+    def _engine_step(self) -> None:
+        """After an engine's optimizer step: ``step()``, unless keep_in_sync ticks this handle."""
+        if self.riding is None:
+            self.step()
+
     def counts(self) -> dict[str, torch.Tensor]:
-        """This rank's tokens per expert since the last update, by gate name (copies)."""
-        return {gate.name: gate.counts.clone() for gate in self.gates}
+        """This rank's tokens per expert since the last update (riding in keep_in_sync: since its last sync), by gate
+        name (copies)."""
+        return {gate.name: gate.counts - gate.synced for gate in self.gates}
 
     def step(self) -> None:
         """One optimizer step happened: update after every ``every``-th (every rank must call it alike)."""
@@ -110,21 +177,34 @@ class RouterBias:
     def update(self) -> None:
         """Sum every gate's counts over the group (one transaction) and update each bias; every rank must call it.
         On failure every rank raises and nothing changed: the counts carry over to the next update."""
+        local = {gate.name: gate.counts - gate.synced for gate in self.gates}  # this rank's, not yet summed
         if self.g is not None:
             deadline = _wire.Deadline(self.seconds)
-            assigned = [rules_mod.Assigned(f"{gate.name}.tokens_per_expert", gate.counts, "sum", _FN)
+            assigned = [rules_mod.Assigned(f"{gate.name}.tokens_per_expert", local[gate.name], "sum", _FN)
                         for gate in self.gates]
             if self.updates == 0:  # the ranks start from src's biases: from then on equal by construction
                 assigned += [rules_mod.Assigned(gate.qualified_bias, gate.bias, "broadcast", _FN)
                              for gate in self.gates]
             plan = rules_mod.Plan(assigned)
             rules_mod.apply(self.g, plan, self.src, deadline, _FN, call=(self.gamma, self.rule))
+        load = {}
+        with torch.no_grad():
+            for gate in self.gates:
+                load[gate.name] = gate.synced - gate.seen + local[gate.name]
+                if self.riding is not None:  # kis's bases hold on to counts and synced: only seen moves
+                    gate.seen.add_(load[gate.name])
+                else:
+                    for t in (gate.counts, gate.synced, gate.seen):
+                        t.zero_()
+        self._apply(load)
+
+    def _apply(self, loads: dict[str, torch.Tensor]) -> None:
+        """Update every bias from its gate's global ``loads`` (the same integers on every rank); no collective."""
         self.last_load = {}
         with torch.no_grad():
             for gate in self.gates:
-                load = gate.counts.clone()
+                load = loads[gate.name].clone()
                 self.last_load[gate.name] = load
-                gate.counts.zero_()
                 if int(load.sum()) == 0:
                     continue  # no train-mode forward since the last update (the same on every rank)
                 bias = gate.bias
@@ -157,7 +237,7 @@ class RouterBias:
         self.remove()
 
 
-def _count(gate: _Gate, module: nn.Module, inputs: tuple, output: Any) -> None:
+def _count(gate: _Gate, handle: RouterBias, module: nn.Module, inputs: tuple, output: Any) -> None:
     """The forward hook: add the top-k indices of a train-mode forward that is no recompute ([Note: counted once])."""
     if not module.training or torch_compat.in_backward():
         return
@@ -165,13 +245,27 @@ def _count(gate: _Gate, module: nn.Module, inputs: tuple, output: Any) -> None:
     with torch.no_grad():
         flat = indices.detach().reshape(-1).to(torch.int64)
         if gate.counts.device != flat.device:
-            gate.counts = gate.counts.to(flat.device)
+            if handle.riding is not None:  # keep_in_sync's plan holds these very tensors: bring the indices over
+                flat = flat.to(gate.counts.device)
+            else:
+                gate.counts, gate.synced, gate.seen = (t.to(flat.device) for t in (gate.counts, gate.synced, gate.seen))
         try:  # scatter_add_: no host sync (bincount's output size would need one on a GPU)
             gate.counts.scatter_add_(0, flat, torch.ones_like(flat))
         except (RuntimeError, IndexError) as e:
             raise InvalidArgumentError(f"{_FN}(): gate '{gate.name}' ({type(module).__name__}) routed to an expert "
                                        f"outside its {gate.counts.numel()} bias entries ({gate.adapter.label}): "
                                        f"{e}") from e
+
+
+def _leave(handle: RouterBias, riders: list) -> None:
+    """Undo of the riding: off the module's list, out of keep_in_sync's plan ([Note: riders])."""
+    if handle in riders:
+        riders.remove(handle)
+    if not riders and handle.module.__dict__.get(kis_mod.RIDERS) is riders:
+        del handle.module.__dict__[kis_mod.RIDERS]
+    if handle.riding is not None:
+        handle.riding.detach(handle)
+        handle.riding = None
 
 
 def check(fn: str, gamma: Any, rule: Any, every: Any, src: Any, timeout: Any) -> tuple[float, int, int, float | None]:
@@ -229,7 +323,8 @@ def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign
             raise InvalidArgumentError(f"{_FN}(): gate '{name}': bias {adapter.bias!r} is a "
                                        f"{'meta tensor' if bias.is_meta else 'DTensor'}; materialise it as a plain "
                                        "tensor first")
-        found.append(_Gate(name, gate, adapter, torch.zeros(bias.numel(), dtype=torch.int64, device=bias.device)))
+        zeros = functools.partial(torch.zeros, bias.numel(), dtype=torch.int64, device=bias.device)
+        found.append(_Gate(name, gate, adapter, zeros(), zeros(), zeros()))
     if not found:
         raise InvalidArgumentError(f"{_FN}(): no MoE gate found in {type(module).__name__}: no module holds an "
                                    f"{_gates.BIAS!r} buffer and no class of the model was described with "
@@ -240,8 +335,15 @@ def router_bias(model_or_engine: Any, *, gamma: float = 1e-3, rule: Rule = "sign
                      "updates an fp32 copy and rounds it into them; zero_buffers.keep_precision(model) keeps them "
                      "fp32", once=f"{_FN}:narrow", group=g.pg if g is not None else None)
     handle = RouterBias(module, found, g, gamma=gamma, rule=rule, every=every, src=src, seconds=seconds)
+    riders = module.__dict__.setdefault(kis_mod.RIDERS, [])
+    riders.append(handle)
+    handle._undo.append(functools.partial(_leave, handle, riders))
     if engine:
-        handle._undo.append(ds_compat.after_optimizer_steps(model_or_engine, handle.step))
+        handle.engine = model_or_engine
+        handle._undo.append(ds_compat.after_optimizer_steps(model_or_engine, handle._engine_step))
+        kept = module.__dict__.get(kis_mod._MARK)
+        if isinstance(kept, kis_mod.KeepInSync):  # [Note: riders]
+            handle.join(kept)
     elif optimizer is not None:
         hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: handle.step())
         handle._undo.append(hook.remove)

@@ -35,6 +35,20 @@ each rank added since the last sync, and the value every rank held then enters o
 first sync, history counts once only where every rank held the same value at the start (``start="installed"``,
 decided per BatchNorm layer and per ``"sum"`` buffer by comparing digests); where the ranks already differed, every
 rank's whole value counts (for ``"bn"``: exactly :func:`average_bn_stats`).
+
+[Note: riders]
+Another handle on the same module can have int64 counts summed in this sync instead of a transaction of its own
+(``moe/router_bias.py``: the tokens per expert). It is a :class:`Rider`: listed on the module (:data:`RIDERS`), it is
+offered every handle made there (and every handle already there is offered it); it joins by :meth:`KeepInSync.attach`
+only when it is ticked by the very same events (the same DeepSpeed engine's optimizer steps), over the same ranks.
+Its tensors enter the plan as ``"sum"`` entries that no module holds: not buffers, so ``state_dict`` and
+``save_pretrained`` never see them, and ``current()`` does not check them. They are always counted from zero: a rider
+joining or leaving re-agrees the structure at the next sync (one all_gather, every rank, as any structure change), its
+names get no base from the former agreement (``_fresh``) nor from the start (never "shared" history), and
+:meth:`rebase` leaves them alone. After every sync that stood on every rank the rider is told (:meth:`Rider.synced`:
+its tensors now hold the global cumulative sums), and after every tick whether it synced (:meth:`Rider.ticked`); a
+sync that raised tells it nothing, so what it counted carries over. ``remove()`` drops the riders (they go back to
+their own transactions).
 """
 from __future__ import annotations
 
@@ -42,7 +56,7 @@ import dataclasses
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,10 +79,30 @@ from . import rules as rules_mod
 
 _FN = "keep_in_sync"
 _MARK = "_zero_buffers_keep_in_sync"  # on the module while a handle keeps it in sync
+RIDERS = "_zero_buffers_keep_in_sync_riders"  # on the module: the handles that may ride along ([Note: riders])
 Start = Literal["installed", "zero"]
 """What the first sync counts of the "sum" buffers and BatchNorm statistics: ``"installed"`` (keep_in_sync): what every
 rank held when the handle was made counts once where every rank held the same, else every rank's whole value;
 ``"zero"`` (a save hook, a trainer callback that began late): every rank's whole value."""
+
+
+class Rider(Protocol):
+    """A handle whose int64 counts may be summed in keep_in_sync's own sync ([Note: riders])."""
+
+    def join(self, kis: KeepInSync) -> None:
+        """Offered ``kis``: call ``kis.attach(self)`` if its events and ranks are this rider's."""
+
+    def entries(self) -> list[rules_mod.Assigned]:
+        """The ``"sum"`` entries to carry (int64 tensors that no module holds), named as no buffer is."""
+
+    def synced(self) -> None:
+        """A sync including the entries stood on every rank: they hold the global cumulative sums."""
+
+    def ticked(self, synced: bool) -> None:
+        """One tick of ``kis`` (an optimizer step) passed, with or without a sync."""
+
+    def dropped(self) -> None:
+        """``kis`` was removed: the rider is on its own again."""
 
 
 _CAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -316,6 +350,10 @@ class KeepInSync:
         self._at_start = {a.name: _local(a.tensor).detach().clone() for a in plan.assigned  # (a meta tensor: nothing to
                           if start == "installed" and not a.tensor.is_meta  # share: it counts as not shared)
                           and (a.rule == "sum" or id(a.tensor) in stats)}
+        self.engine = engine
+        self._riders: list[Rider] = []  # [Note: riders]
+        self._fresh: set[str] = set()  # riders' names that take no base from a former agreement
+        self._riding: set[str] = set()  # the names of the riders' entries in ``plan``
         self._undo: Callable[[], None]
         if engine:
             self._undo = ds_compat.after_optimizer_steps(target, self._tick)
@@ -324,16 +362,47 @@ class KeepInSync:
             self._undo = handle.remove
         module.__dict__[_MARK] = self  # a second handle would keep bases of its own: "sum" and "bn" would compound
         self._installed = True
+        for rider in list(module.__dict__.get(RIDERS, ())):
+            rider.join(self)
+
+    def attach(self, rider: Rider) -> None:
+        """Carry ``rider``'s entries from the next sync on ([Note: riders]); local, no collective."""
+        if rider in self._riders:
+            return
+        self._riders.append(rider)
+        self._changed_riders(rider)
+
+    def detach(self, rider: Rider) -> None:
+        """Stop carrying ``rider``'s entries (the next sync agrees again); local, no collective."""
+        if rider in self._riders:
+            self._riders.remove(rider)
+            self._changed_riders(rider)
+
+    def _changed_riders(self, rider: Rider) -> None:
+        self._fresh.update(a.name for a in rider.entries())
+        self.plan = self._with_riders(self.plan)
+        self._steady = None  # the next sync agrees again: every rank attached alike, or the agreement names it
+
+    def _with_riders(self, plan: rules_mod.Plan) -> rules_mod.Plan:
+        """``plan`` with the entries of the riders attached now in place of those it carried."""
+        ours = [a for r in self._riders for a in r.entries()]
+        plan = dataclasses.replace(plan, assigned=[a for a in plan.assigned if a.name not in self._riding] + ours)
+        self._riding = {a.name for a in ours}
+        return plan
 
     def _resolve(self) -> rules_mod.Plan:
         rules, strict, bn_default = self._declared
-        return _partials_left(rules_mod.resolve(self.module, rules, _FN, strict=strict, bn_default=bn_default,
-                                                group=self.g))
+        self._riding = set()  # the resolved plan carries none: _with_riders adds those attached now
+        return self._with_riders(_partials_left(rules_mod.resolve(self.module, rules, _FN, strict=strict,
+                                                                  bn_default=bn_default, group=self.g)))
 
     def _tick(self) -> None:
         self._ticks += 1
-        if self._ticks % self.every == 0:
+        due = self._ticks % self.every == 0
+        if due:
             self.sync()
+        for rider in list(self._riders):  # [Note: riders]
+            rider.ticked(due)
 
     def sync(self) -> None:
         """Sync every buffer by its rule now; every rank of the group must call (a no-op without one)."""
@@ -375,6 +444,9 @@ class KeepInSync:
             raise
         self._last = steady
         self.syncs += 1
+        self._fresh -= self._riding
+        for rider in list(self._riders):  # the sync stood on every rank ([Note: riders])
+            rider.synced()
 
     def _agree(self, g: _group.Group, deadline: _wire.Deadline) -> _Steady:
         """Resolve the rules and agree on the structure (one all_gather; differences named on every rank); a rank
@@ -398,7 +470,9 @@ class KeepInSync:
         ranks held at the start. Whether that costs a collective (one small all-reduce, when the ranks' start digests
         differ) is decided from the agreement's values alone, the same on every rank."""
         if self._last is not None:
-            steady.begin(self._last.carry())
+            carry = self._last.carry()
+            carry.sums = {n: v for n, v in carry.sums.items() if n not in self._fresh}  # [Note: riders]
+            steady.begin(carry)
             return
         extras = steady.extras
         if self._start == "zero":
@@ -427,16 +501,19 @@ class KeepInSync:
         every rank counts as every rank having added minus the last total. Local: it issues no collective, so a rank
         that forgets it gets wrong sums, never a hang."""
         stats = {id(t) for bn in self.plan.bns for _, t in bn.entries()}
-        steady = self._steady
+        steady = self._steady if self._steady is not None else self._last  # awaiting a new agreement (a rider
+        # joined or left, the structure changed): the bases it will carry over are set here
         if steady is None:  # before the first sync: the first sync compares this across ranks
             self._at_start = {a.name: _local(a.tensor).detach().clone() for a in self.plan.assigned
-                              if not a.tensor.is_meta and (a.rule == "sum" or id(a.tensor) in stats)}
+                              if not a.tensor.is_meta and (a.rule == "sum" or id(a.tensor) in stats)
+                              and a.name not in self._riding}  # riders are never shared history
             self._start = "installed"
             return
         for kind in steady.kinds:
             if kind.sub is not None and kind.group.me != kind.root:
-                for sub, part, writes in zip(kind.sub, kind.targets, kind.writes):
-                    torch_compat.copy_all(_views(sub, part), writes)
+                for sub, part, writes, names in zip(kind.sub, kind.targets, kind.writes, kind.names):
+                    kept = [(v, w) for v, w, n in zip(_views(sub, part), writes, names) if n not in self._riding]
+                    torch_compat.copy_all([v for v, _ in kept], [w for _, w in kept])  # riders: [Note: riders]
         lay = steady.layout
         if lay.bns:
             device = self.g.device if self.g is not None else torch.device("cpu")
@@ -451,6 +528,12 @@ class KeepInSync:
             if self.module.__dict__.get(_MARK) is self:
                 del self.module.__dict__[_MARK]
             self._installed = False
+            riders, self._riders = self._riders, []
+            if riders:
+                self.plan = self._with_riders(self.plan)
+                self._steady = None
+            for rider in riders:  # on their own again ([Note: riders])
+                rider.dropped()
 
     def __enter__(self) -> KeepInSync:
         return self
@@ -636,10 +719,7 @@ def keep_in_sync(model_or_engine: Any, *, every: int = 1, rules: rules_mod.Rules
     seconds = _args.timeout(timeout, _FN)
     engine = ds_compat.is_engine(model_or_engine)
     if engine:
-        module = ds_compat.engine_module(model_or_engine)
-        if "step" in vars(model_or_engine):
-            raise InvalidArgumentError(f"{_FN}(): this engine's step() is already wrapped (keep_in_sync twice?); "
-                                       "remove() the first handle")
+        module = ds_compat.engine_module(model_or_engine)  # a second handle: refused by the module's mark below
     else:
         module = _modules.unwrap(_args.module(model_or_engine, _FN), _FN)
     if module.__dict__.get(_MARK) is not None:
