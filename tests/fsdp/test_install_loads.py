@@ -384,11 +384,15 @@ def _patched() -> dict[str, object]:
     found = {"dsd._load_model_state_dict": dsd._load_model_state_dict,
              "dsd._get_model_state_dict": dsd._get_model_state_dict,
              "dcp.load": dcp.load, "state_dict_loader.load": state_dict_loader.load}
+    import accelerate.utils
     from accelerate.utils import fsdp_utils
     if "fsdp2_load_full_state_dict" in vars(fsdp_utils):  # Accelerate 1.1.0 has no FSDP2
         import accelerate.accelerator
         found["fsdp2_load_full_state_dict"] = fsdp_utils.fsdp2_load_full_state_dict
         found["accelerator.fsdp2_prepare_model"] = accelerate.accelerator.fsdp2_prepare_model
+        # what `from accelerate.utils import fsdp2_load_full_state_dict` (after install()) gives a user
+        found["utils.fsdp2_load_full_state_dict"] = accelerate.utils.fsdp2_load_full_state_dict
+        found["utils.fsdp2_prepare_model"] = accelerate.utils.fsdp2_prepare_model
     return found
 
 

@@ -34,13 +34,15 @@ def save_methods(accelerator: Any) -> tuple[str, ...]:
 
 
 def _fsdp_utils() -> Any:
-    """``accelerate.utils.fsdp_utils`` and ``accelerate.accelerator``, or None when Accelerate is not installed."""
+    """``accelerate.utils.fsdp_utils``, ``accelerate.accelerator`` and ``accelerate.utils`` (which re-exports the
+    first's functions), or None when Accelerate is not installed."""
     try:
+        import accelerate.utils as utils
         from accelerate import accelerator
         from accelerate.utils import fsdp_utils
     except ImportError:
         return None
-    return fsdp_utils, accelerator
+    return fsdp_utils, accelerator, utils
 
 
 def patch_fsdp2_loading(make_load: Callable[[Any], Any],
@@ -48,13 +50,15 @@ def patch_fsdp2_loading(make_load: Callable[[Any], Any],
     """Replace Accelerate's FSDP2 full-state-dict load, ``utils.fsdp_utils.fsdp2_load_full_state_dict(accelerator,
     model, full_sd, ...)`` (what ``fsdp2_prepare_model`` calls, by its module global, under
     ``cpu_ram_efficient_loading``), by ``make_load(original)``, and the ``fsdp2_prepare_model(accelerator, model)``
-    that ``Accelerator.prepare`` calls (bound by name in ``accelerate.accelerator``) by ``make_prepare(original)``.
+    that ``Accelerator.prepare`` calls (bound by name in ``accelerate.accelerator``) by ``make_prepare(original)``;
+    the same in ``accelerate.utils``, where both are re-exported (``from accelerate.utils import
+    fsdp2_load_full_state_dict`` in user code is followed too, as long as it is imported after ``install()``).
     Returns the undo; None for an Accelerate without FSDP2 (1.1.0 has neither function: there is no FSDP2 load to
     follow) or not installed. A version with one and not the other, or other signatures, is a DependencyError."""
     found = _fsdp_utils()
     if found is None:
         return None
-    fsdp_utils, accelerator = found
+    fsdp_utils, accelerator, utils = found
     load, prepare = vars(fsdp_utils).get("fsdp2_load_full_state_dict"), vars(fsdp_utils).get("fsdp2_prepare_model")
     if load is None and prepare is None and "fsdp2_prepare_model" not in vars(accelerator):
         return None
@@ -65,6 +69,10 @@ def patch_fsdp2_loading(make_load: Callable[[Any], Any],
         raise missing("accelerate", "accelerator.fsdp2_prepare_model(accelerator, model) from utils.fsdp_utils")
     undos = [replace_global(fsdp_utils, "fsdp2_load_full_state_dict", make_load),
              replace_global(accelerator, "fsdp2_prepare_model", make_prepare)]
+    for name, original, make in (("fsdp2_load_full_state_dict", load, make_load),
+                                 ("fsdp2_prepare_model", prepare, make_prepare)):
+        if vars(utils).get(name) is original:  # the package's re-export of the same function
+            undos.append(replace_global(utils, name, make))
 
     def undo() -> None:
         for u in reversed(undos):
