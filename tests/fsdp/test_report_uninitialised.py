@@ -10,6 +10,7 @@ The rule: [Note: uninitialised buffers] in ``zero_buffers/_core/compare.py``.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zero_buffers as zb
@@ -52,9 +53,20 @@ def _rows(report: zb.BufferReport) -> dict[str, tuple[bool, tuple[int, ...], tup
     return {r.name: (r.in_sync, r.differing_ranks, r.uninitialised_ranks) for r in report.rows}
 
 
+def _looks_leftover(t: torch.Tensor) -> bool:
+    """The test's own reading of what ``to_empty`` left, against rank 0's rotary tables (plain, non-zero, normal
+    float32 numbers): some element NaN, infinite, subnormal or above 2**64 in magnitude, or every element zero."""
+    x = t.detach().double()
+    tiny = torch.finfo(t.dtype).tiny
+    odd = ~torch.isfinite(x) | ((x.abs() < tiny) & (x != 0)) | (x.abs() > 2.0 ** 64)
+    return bool(odd.any()) or not bool(x.any())
+
+
 def _after_to_empty(rank, world):
     model = _llama(rank, world)
-    out = {"versions": [int(b._version) for b in model.buffers()]}
+    named = dict(model.named_buffers())
+    out = {"versions": [int(b._version) for b in model.buffers()],
+           "leftover": {n: rank in _meta_ranks(world) and _looks_leftover(named[n]) for n in ROTARY}}
     report = zb.buffer_report(model)
     out["rows"], out["advice"], out["text"] = _rows(report), report.advice, report.format()
     try:
@@ -71,20 +83,27 @@ def _after_to_empty(rank, world):
     return out
 
 
-def test_the_report_calls_the_to_empty_rotary_tables_uninitialised_on_exactly_the_meta_ranks(ranks):
+def test_the_report_calls_to_empty_rotary_tables_uninitialised_where_their_memory_shows_leftover_patterns(ranks):
     world = ranks.world_size
     out = ranks.run(_after_to_empty, timeout=TIMEOUT)
     meta = tuple(sorted(_meta_ranks(world)))
     rows = out[0]["rows"]
     assert all(o["rows"] == rows and o["advice"] == out[0]["advice"] for o in out)  # one report on every rank
+    # What to_empty leaves is whatever memory held: the copies that show leftover patterns (nearly always every one:
+    # allocator metadata reads as subnormals, fresh pages as zeros) are named, a copy holding plausible numbers is
+    # the documented miss. Rank 0's tables are plain non-zero numbers.
+    flagged = {n: tuple(r for r, o in enumerate(out) if o["leftover"][n]) for n in ROTARY}
+    if not any(flagged.values()):  # never seen here; the rule itself is checked element by element in test_leftover
+        pytest.skip("to_empty left plausible numbers in every copy this run: nothing to tell apart")
     for name in ROTARY:
-        assert rows[name] == (False, meta, meta), (name, rows[name], out[0]["text"])
+        assert rows[name] == (False, meta, flagged[name]), (name, rows[name], flagged[name], out[0]["text"])
     assert {n for n, (in_sync, _, _) in rows.items() if not in_sync} == set(ROTARY)
     advice = out[0]["advice"]
-    assert "'model.rotary_emb.inv_freq'" in advice and "uninitialised" in advice, advice
+    named = [n for n in ROTARY if flagged[n]]
+    assert f"'{named[0]}'" in advice and "uninitialised" in advice, advice
     assert "broadcast_buffers(module, materialize=True)" in advice, advice
     text = out[0]["text"]
-    assert "2 look uninitialised" in text and "uninitialised on" in text, text
+    assert f"{len(named)} look uninitialised" in text and "uninitialised on" in text, text
     assert "looks uninitialised" in out[0]["raised"] and "materialize=True" in out[0]["raised"]
     for o in out:  # after the one line: every buffer agrees, the model decodes the same tokens everywhere
         assert o["fixed"][0] and not any(u for _, _, u in o["fixed"][1].values())
