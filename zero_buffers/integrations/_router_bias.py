@@ -20,6 +20,7 @@ class RouterBiasSteps:
         self.options = dict(gamma=gamma, rule=rule, every=every, src=src, group=group, timeout=timeout)
         self.handle: RouterBias | None = None
         self.stepped_at: int | None = None
+        self._last_updates = 0  # the updates of the last handle, once end() removed it
 
     def begin(self, model: Any) -> None:
         if model is None:
@@ -43,5 +44,3 @@ class RouterBiasSteps:
     def updates(self) -> int:
         """Bias updates run by this callback's current (or last) handle."""
         return self.handle.updates if self.handle is not None else self._last_updates
-
-    _last_updates = 0

@@ -144,16 +144,16 @@ class RouterBias:
                 gate.synced.copy_(gate.counts)
 
     def ticked(self, synced: bool) -> None:
+        if not synced:  # keep_in_sync did not sync at this step: the own transaction, as step() does
+            self.step()
+            return
         self._steps += 1
-        if self._steps % self.every == 0:
-            if synced:  # the global totals are here: no collective
-                loads = {gate.name: gate.synced - gate.seen for gate in self.gates}
-                with torch.no_grad():
-                    for gate in self.gates:
-                        gate.seen.copy_(gate.synced)
-                self._apply(loads)
-            else:
-                self.update()
+        if self._steps % self.every == 0:  # the global totals are here: no collective
+            loads = {gate.name: gate.synced - gate.seen for gate in self.gates}
+            with torch.no_grad():
+                for gate in self.gates:
+                    gate.seen.copy_(gate.synced)
+            self._apply(loads)
 
     def dropped(self) -> None:
         self.riding = None
