@@ -44,8 +44,25 @@ class Deadline:
         return datetime.timedelta(seconds=max(self._end - time.monotonic(), 0.001))
 
 
+# [Note: the last works are held]
+# A gloo collective runs on one of the process group's worker threads ("pt_gloo_runloop"). The thread marks the work
+# done (our wait() returns) and only then drops its reference to it. If that is the last reference, the work's
+# tensors die on the worker thread, which takes the GIL to free their Python objects. While the interpreter is
+# shutting down, taking the GIL ends the thread inside C++ code that may not be unwound: the process aborts with
+# "terminate called without an active exception" (torch 2.13, gloo; torchrun then reports a ChildFailedError). The
+# README example, whose last collective is ours, hit this after printing every result in 4 runs of 25 under torchrun
+# on a loaded 2-core machine. destroy_process_group() does not prevent it while anything (a DDP model) still holds
+# the group: the worker threads stop only when the group is freed.
+# So wait() keeps the Python objects of the works it waited for in _HELD until the next wait() ends: the calling
+# thread, holding the GIL, drops them later (at the next call, or when this module is torn down at exit), by which
+# time the worker has long dropped its reference. What stays alive between calls is the last wait's tensors only:
+# every transaction ends with a vote of a few bytes, and keep_in_sync keeps its buffers for the next step anyway.
+_HELD: list[Any] = []
+
+
 def wait(works: Sequence[Any], deadline: Deadline, what: str) -> None:
-    """Wait for async collectives within the deadline; a failure or timeout becomes CollectiveError."""
+    """Wait for async collectives within the deadline; a failure or timeout becomes CollectiveError. The works are
+    held until the next wait ([Note: the last works are held])."""
     try:
         for w in works:
             left = deadline.remaining()
@@ -69,6 +86,8 @@ def wait(works: Sequence[Any], deadline: Deadline, what: str) -> None:
         raise CollectiveError(
             f"{what} failed on rank {dist.get_rank()}: {cause}. No buffer was modified; the process group may be "
             "unusable now (a peer died or stalled)") from e
+    finally:
+        _HELD[:] = works  # the previous wait's works are dropped here, on this thread
 
 
 def all_gather_values(g: Group, values: Sequence[int], deadline: Deadline, what: str,
