@@ -144,11 +144,11 @@ class RouterBias:
                 gate.synced.copy_(gate.counts)
 
     def ticked(self, synced: bool) -> None:
-        if not synced:  # keep_in_sync did not sync at this step: the own transaction, as step() does
-            self.step()
+        if not self._due():
             return
-        self._steps += 1
-        if self._steps % self.every == 0:  # the global totals are here: no collective
+        if not synced:  # keep_in_sync did not sync at this step: the own transaction
+            self.update()
+        else:  # the global totals are here: no collective
             loads = {gate.name: gate.synced - gate.seen for gate in self.gates}
             with torch.no_grad():
                 for gate in self.gates:
@@ -170,9 +170,13 @@ class RouterBias:
 
     def step(self) -> None:
         """One optimizer step happened: update after every ``every``-th (every rank must call it alike)."""
-        self._steps += 1
-        if self._steps % self.every == 0:
+        if self._due():
             self.update()
+
+    def _due(self) -> bool:
+        """Count one optimizer step; whether an update is due at it (every ``every``-th)."""
+        self._steps += 1
+        return self._steps % self.every == 0
 
     def update(self) -> None:
         """Sum every gate's counts over the group (one transaction) and update each bias; every rank must call it.
