@@ -9,7 +9,8 @@ dist.init_process_group("gloo")                    # torchrun sets RANK, WORLD_S
 rank = dist.get_rank()
 torch.manual_seed(0)                               # the same initial weights on every rank
 model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-ddp = nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # no per-forward buffer broadcast
+ddp = nn.parallel.DistributedDataParallel(model)   # broadcasts rank 0's buffers once, here
+ddp.broadcast_buffers = False                      # and not before every forward (the same on torch 2.3 to 2.15)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
 for _ in range(20):                                # each rank trains on its own shard of the data;
     x = torch.randn(32, 4) * (1 + rank) + 3 * rank  # rank 1's is shifted and wider

@@ -64,17 +64,18 @@ def repro_dir() -> Path:
 
 
 def scripts(folder: Path) -> dict[str, str]:
-    """Repro name -> first docstring line, for every ``*.py`` not starting with ``_``."""
+    """Repro name -> the first paragraph of its docstring on one line (a summary wrapped over lines stays whole),
+    for every ``*.py`` not starting with ``_``."""
     out = {}
     for path in sorted(folder.glob("[!_]*.py")):
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        out[path.stem] = doc.strip().splitlines()[0] if doc.strip() else ""
+        doc = (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+        out[path.stem] = " ".join(doc.split("\n\n", 1)[0].split())
     return out
 
 
-def budget(path: Path) -> dict[str, int] | None:
-    """A script's ``BUDGET_SECONDS = {"quick": int, "full": int}`` (seconds on an idle 2-core machine), read with
-    ``ast``, never by importing the script; None when it has none (or not a literal of that shape)."""
+def _literal(path: Path, name: str) -> object:
+    """The literal a script assigns to the module-level ``name``, read with ``ast``, never by importing the
+    script; None when it has none (or not a literal)."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError, ValueError):
@@ -88,15 +89,37 @@ def budget(path: Path) -> dict[str, int] | None:
             target, expr = node.targets[0], node.value
         else:
             continue
-        if isinstance(target, ast.Name) and target.id == "BUDGET_SECONDS" and expr is not None:
+        if isinstance(target, ast.Name) and target.id == name and expr is not None:
             try:
-                value = ast.literal_eval(expr)
+                return ast.literal_eval(expr)
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 return None
-            if isinstance(value, dict) and set(value) == {"quick", "full"} and all(
-                    isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values()):
-                return value
-            return None
+    return None
+
+
+def budget(path: Path) -> dict[str, int] | None:
+    """A script's ``BUDGET_SECONDS = {"quick": int, "full": int}`` (seconds on an idle 2-core machine); None when
+    it has none (or not a literal of that shape)."""
+    value = _literal(path, "BUDGET_SECONDS")
+    if isinstance(value, dict) and set(value) == {"quick", "full"} and all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values()):
+        return value
+    return None
+
+
+def unmet_needs(path: Path) -> str | None:
+    """Why a script cannot run with the installed packages: its ``NEEDS = ("fsdp2", ...)`` names capabilities of
+    ``zero_buffers._compat.versions``; None when every one is there (or it declares none)."""
+    from ._compat import versions
+
+    needs = _literal(path, "NEEDS")
+    if not isinstance(needs, tuple):
+        return None
+    for name in needs:
+        if isinstance(name, str) and name in versions.CAPABILITIES:
+            why = versions.unmet(name)
+            if why is not None:
+                return why
     return None
 
 
@@ -186,6 +209,7 @@ class Outcome:
     limit: Limit
     fix_failed: bool
     printed_result: bool
+    skipped: str | None = None  # why it did not run (a capability the installed packages lack)
 
 
 class InOrder:
@@ -307,6 +331,8 @@ def _rerun(o: Outcome, args: argparse.Namespace, backend: str, timeout: float | 
 
 def _status(o: Outcome, args: argparse.Namespace, backend: str) -> str:
     """One script's line of the summary, in words."""
+    if o.skipped is not None:
+        return f"skipped: it {o.skipped}"
     if o.code is None:
         more = 60 * math.ceil(4 * o.limit.seconds / 60)
         return (f"KILLED after {o.limit.seconds:g} s ({o.limit.why}); rerun alone: "
@@ -332,8 +358,8 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for name, doc in found.items():
             print(f"{name:<{width}}  {doc}")
         return 0
-    if args.nproc < 1:
-        parser.error("--nproc must be >= 1")
+    if args.nproc < 2:
+        parser.error("--nproc must be >= 2: every repro compares ranks")
     if args.timeout is not None and not args.timeout > 0:
         parser.error("--timeout must be > 0")
     if args.jobs < 1:
@@ -359,6 +385,10 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                 f"{args.launcher}{' --full' if args.full else ''}  ({mode} run, at most "
                                 f"{limit.seconds:g} s)\n".encode())
         try:
+            why = unmet_needs(path)
+            if why is not None:
+                sink.write(i, "stdout", f"zero-buffers: {name} skipped: it {why}\n".encode())
+                return Outcome(name, 0, 0.0, limit, False, False, skipped=why)
             return run_one(path, args.nproc, backend, limit, args.launcher, args.full, args.verbose, sink, i)
         finally:
             sink.finish(i)
@@ -380,7 +410,15 @@ def repro(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{o.name:<{width}}  {_status(o, args, backend)}")
     bad = [o for o in outcomes if o.code != 0]
     if not bad:
-        print(f"all {len(outcomes)} ran and every fix held" if len(outcomes) > 1 else "it ran and every fix held")
+        ran = [o for o in outcomes if o.skipped is None]
+        skipped = len(outcomes) - len(ran)
+        if not ran:
+            said = "none ran"
+        elif len(ran) == 1:
+            said = "it ran and every fix held"
+        else:
+            said = f"all {len(ran)} {'that ran held every fix' if skipped else 'ran and every fix held'}"
+        print(said + (f"; {skipped} skipped: the installed versions lack what they need" if skipped else ""))
         return 0
     print(f"{len(bad)} of {len(outcomes)} did not pass: {', '.join(o.name for o in bad)}")
     return 1
@@ -440,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                             ("zero-buffers repro ddp_bn_checkpoint --full", "the full-width table the docs quote"),
                             ("zero-buffers repro", "every script, then a summary"))))
     rp.add_argument("name", nargs="?", metavar="NAME", help="a script name from 'zero-buffers list' (default: all)")
-    rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2)")
+    rp.add_argument("--nproc", type=int, default=2, help="number of local ranks (default 2, at least 2)")
     rp.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                     help="default: nccl with one GPU per rank, else gloo on CPU")
     rp.add_argument("--launcher", choices=["local", "torchrun", "accelerate"], default="local",
@@ -459,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="seconds per script, then it and all its ranks are killed (default: 4x the script's time "
                          f"budget, at least {MIN_TIMEOUT:g}; {DEFAULT_TIMEOUT:g} for a script without one)")
+    parser.set_defaults(commands=sub.choices)  # command -> its parser: errors show that command's usage
     return parser
 
 
@@ -534,7 +573,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zero-buffers``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    own = args.commands.get(args.command, parser)  # a flag typo shows the command's usage, not the top level's
+    if unknown:
+        own.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 0
@@ -542,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         return doctor(args, argv)
     if args.command == "example-checkpoint":
         return example(args)
-    return repro(args, parser)
+    return repro(args, own)
 
 
 def example(args: argparse.Namespace) -> int:

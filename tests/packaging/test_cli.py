@@ -370,6 +370,48 @@ def test_zb_full_and_zb_verbose_in_the_environment_mean_the_flags(tmp_path):
         '    print("RESULT: all fixes hold")\n')
     env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "ZB_FULL", "ZB_VERBOSE")}
     env.update(ZERO_BUFFERS_REPRO_DIR=str(tmp_path / "repro"), ZB_FULL="1", ZB_VERBOSE="1")
-    out = _cli("repro", "envcheck", "--nproc", "1", "--backend", "gloo", timeout=120, env=env)
+    out = _cli("repro", "envcheck", "--nproc", "2", "--backend", "gloo", timeout=120, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "ENV 1 1 None" in out.stdout and "(full run, at most 160 s)" in out.stdout, out.stdout
+
+
+def test_repro_refuses_one_rank_and_a_flag_typo_shows_the_commands_usage():
+    # every repro compares ranks: --nproc 1 used to run, then report FAILED; a typo showed the top-level usage
+    out = _cli("repro", "buffers_diverge", "--nproc", "1", timeout=60)
+    assert out.returncode == 2 and "--nproc must be >= 2" in out.stderr, out.stderr
+    out = _cli("repro", "--nprc", "2", timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("usage: zero-buffers repro "), out.stderr
+    assert "unrecognized arguments: --nprc" in out.stderr
+    out = _cli("inspect", "--bogus", "x", timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("usage: zero-buffers inspect "), out.stderr
+
+
+def test_list_shows_each_summary_whole():
+    out = _cli("list", timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(s for s in out.stdout.splitlines() if s.startswith("moe_router_bias "))
+    assert line.rstrip().endswith("against a single-process float64 run on the global batch."), line
+
+
+def test_a_repro_needing_what_is_not_installed_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    # NEEDS names capabilities of zero_buffers._compat.versions; a missing one skips the script (exit 0, it never
+    # starts), and the summary says what it needs and what is installed; a script that ran still counts
+    from zero_buffers import cli
+    from zero_buffers._compat import versions
+
+    monkeypatch.setitem(versions.CAPABILITIES, "_test_absent",
+                        versions.Capability("torch", "an API no torch has", "nothing", lambda: False))
+    (tmp_path / "repro").mkdir()
+    (tmp_path / "repro" / "needy.py").write_text(
+        '"""needs what nobody has"""\nNEEDS = ("_test_absent",)\nraise SystemExit(3)\n')
+    (tmp_path / "repro" / "plain.py").write_text(
+        '"""runs"""\nimport os\nif int(os.environ.get("RANK", 0)) == 0:\n    print("RESULT: all fixes hold")\n')
+    monkeypatch.setenv("ZERO_BUFFERS_REPRO_DIR", str(tmp_path / "repro"))
+    assert cli.main(["repro", "--backend", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert (f"needy  skipped: it needs an API no torch has (tested on nothing); torch "
+            f"{versions.version('torch')} is installed") in out, out
+    assert out.rstrip().endswith("it ran and every fix held; 1 skipped: the installed versions lack what they "
+                                 "need"), out
+    assert cli.main(["repro", "needy", "--backend", "gloo"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("none ran; 1 skipped: the installed versions lack what they need")

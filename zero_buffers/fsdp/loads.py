@@ -54,7 +54,7 @@ from typing import Any
 
 from torch import nn
 
-from .._compat import accelerate as acc_compat, torch as torch_compat
+from .._compat import accelerate as acc_compat, torch as torch_compat, versions as _versions
 from .._core import (
     group as _group,
     modules as _modules,
@@ -75,9 +75,13 @@ def install(timeout: float | None) -> Callable[[], None]:
     """Wrap the loads of [Note: loads install() follows]; returns the undo (the identical originals back)."""
     undos: list[Callable[[], None]] = []
     try:
-        undos.append(torch_compat.patch_model_state_dict_load(lambda original: _set_then_sync(original, timeout)))
-        undos.append(torch_compat.patch_model_state_dict_get(_remembering))
-        undos.append(torch_compat.patch_dcp_load(lambda original: _dcp_load_then_sync(original, timeout)))
+        # only the loads the installed torch has ([Note: capabilities by presence]): before
+        # StateDictOptions.broadcast_from_rank0 there is no rank-0 load to follow, and the DCP loads of that era
+        # start from get_model_state_dict's FSDP2-era state dicts
+        if _versions.has("rank0_loads"):
+            undos.append(torch_compat.patch_model_state_dict_load(lambda original: _set_then_sync(original, timeout)))
+            undos.append(torch_compat.patch_model_state_dict_get(_remembering))
+            undos.append(torch_compat.patch_dcp_load(lambda original: _dcp_load_then_sync(original, timeout)))
         accelerate = acc_compat.patch_fsdp2_loading(lambda original: _accelerate_load(original, timeout),
                                                     lambda original: _accelerate_prepare(original, timeout))
         if accelerate is not None:
