@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # on the oldest supported versions): each is marked where it is written, ``pytestmark = pytest.mark.stack`` for a
 # whole file, ``@pytest.mark.stack`` for one test.
 # The tests of torch's own distributed machinery (FSDP2, FSDP1, DCP, DeviceMesh, torchvision's models) run on the
-# torch-next stack too (.ci/run: pytest -m torch_next on torch 2.14.1): every test under tests/fsdp gets the marker
+# torch-next stack too (.ci/run: pytest -m torch_next on torch 2.15.0): every test under tests/fsdp gets the marker
 # here, the others are marked where they are written.
 _FSDP_TESTS = Path(__file__).resolve().parent / "fsdp"
 
