@@ -168,7 +168,30 @@ def setup_deepspeed(seed: int = 0) -> tuple[int, int, torch.device]:
     if device.type == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend())
+    if dist.get_backend() == "gloo" and not version_at_least("deepspeed", "0.19.8"):
+        _wait_for_each_gather(deepspeed)
     return rank, world, device
+
+
+def _wait_for_each_gather(deepspeed) -> None:
+    """DeepSpeed before 0.19.8 waits only on the last of the async all-gathers ZeRO-3 issues per parameter
+    (``Init._allgather_params_coalesced``), and ``GatheredParameters.__exit__`` issues one async broadcast per
+    parameter; on gloo the earlier ones may still run when the next collective starts, and ranks then gather garbage
+    or wait on each other forever (measured with 0.14.4: the tokenizer repro hung in ``GatheredParameters.__exit__``
+    on rank 0 while rank 1 had gone on). NCCL runs them in order on one stream, so GPU
+    runs never see it. A DeepSpeed bug, not a buffer one: the repros wait for each gather on these versions, as the
+    test suite does (tests/helpers.py); zero_buffers itself does not touch it."""
+    comm = deepspeed.comm
+    for name in ("all_gather_into_tensor", "broadcast"):  # GatheredParameters.__exit__'s async broadcasts too
+        real = getattr(comm, name)
+
+        def waited(*args, _real=real, **kwargs):
+            handle = _real(*args, **kwargs)
+            if kwargs.get("async_op") and handle is not None:
+                handle.wait()
+            return handle
+
+        setattr(comm, name, waited)
 
 
 def versions() -> str:
