@@ -415,3 +415,15 @@ def test_a_repro_needing_what_is_not_installed_is_skipped_with_the_reason(tmp_pa
                                  "need"), out
     assert cli.main(["repro", "needy", "--backend", "gloo"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("none ran; 1 skipped: the installed versions lack what they need")
+
+
+def test_every_bundled_repro_needs_only_known_capabilities():
+    # a NEEDS name that is not in the table would be ignored and the script run anyway: keep them in step
+    from zero_buffers import cli
+    from zero_buffers._compat import versions
+
+    declared = {name: cli._literal(cli.repro_dir() / f"{name}.py", "NEEDS") for name in cli.scripts(cli.repro_dir())}
+    needs = {name: value for name, value in declared.items() if value is not None}
+    assert {"fsdp2_buffers", "fsdp2_loading", "moe_router_bias", "ema_codebook"} <= set(needs), needs
+    for name, value in needs.items():
+        assert isinstance(value, tuple) and set(value) <= set(versions.CAPABILITIES), (name, value)

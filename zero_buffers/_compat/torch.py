@@ -803,10 +803,18 @@ def patch_model_state_dict_load(make: Callable[[Any], Any]) -> Callable[[], None
     if not signature_starts(original, ("model", "state_dict", "info")):
         raise missing("torch", "torch.distributed.checkpoint.state_dict._load_model_state_dict(model, state_dict, "
                       "info)")
-    fields = getattr(getattr(dsd, "StateDictOptions", None), "__dataclass_fields__", {})
-    if "broadcast_from_rank0" not in fields or "full_state_dict" not in fields:
+    if not {"broadcast_from_rank0", "full_state_dict"} <= state_dict_options():
         raise missing("torch", "StateDictOptions.broadcast_from_rank0 / full_state_dict")
     return replace_global(dsd, "_load_model_state_dict", make)
+
+
+def state_dict_options() -> set[str]:
+    """The fields of ``torch.distributed.checkpoint.state_dict.StateDictOptions`` (empty where torch has none)."""
+    try:
+        from torch.distributed.checkpoint import state_dict as dsd
+    except ImportError:
+        return set()
+    return set(getattr(getattr(dsd, "StateDictOptions", None), "__dataclass_fields__", {}))
 
 
 def broadcasts_from_rank0(info: Any) -> bool:

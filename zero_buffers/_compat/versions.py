@@ -1,5 +1,4 @@
-"""Which capabilities the installed torch, transformers and optional packages have: one table, read by the calls
-that need a newer release (they raise :class:`~zero_buffers.errors.DependencyError` naming it), by ``install()``
+"""Which capabilities the installed torch, transformers and optional packages have: one table, read by ``install()``
 (it follows only the loads the installed versions have) and by ``zero-buffers repro`` (a script that needs what is
 not installed is skipped, the reason in its summary line).
 
@@ -16,8 +15,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import DependencyError
-from . import version
+from . import torch as torch_compat, version
 
 
 def _has(module: str, name: str | None = None) -> bool:
@@ -26,15 +24,6 @@ def _has(module: str, name: str | None = None) -> bool:
     except Exception:  # noqa: BLE001 - not there, or fails to import (a CUDA torchvision beside a CPU torch)
         return False
     return name is None or hasattr(found, name)
-
-
-def _rank0_state_dict_loads() -> bool:
-    try:
-        from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:
-        return False
-    fields = getattr(getattr(dsd, "StateDictOptions", None), "__dataclass_fields__", {})
-    return "broadcast_from_rank0" in fields
 
 
 @dataclass(frozen=True)
@@ -54,7 +43,8 @@ CAPABILITIES: dict[str, Capability] = {
                           "torch 2.13.0 and 2.15.0",
                           lambda: _has("torch.distributed.tensor", "DTensor")),
     "rank0_loads": Capability("torch", "StateDictOptions(broadcast_from_rank0=True) (set_model_state_dict's rank-0 "
-                              "load)", "torch 2.13.0 and 2.15.0", _rank0_state_dict_loads),
+                              "load)", "torch 2.13.0 and 2.15.0",
+                              lambda: "broadcast_from_rank0" in torch_compat.state_dict_options()),
     "deepseek_v3": Capability("transformers", "transformers.DeepseekV3Config (the MoE router-bias recipe's model)",
                               "transformers 4.57.6 and 5.24.0", lambda: _has("transformers", "DeepseekV3Config")),
     "vector_quantize": Capability("vector-quantize-pytorch", "vector_quantize_pytorch (pip install "
@@ -70,7 +60,7 @@ def has(name: str) -> bool:
 
 
 def unmet(name: str) -> str | None:
-    """None when capability ``name`` is there; else what is missing, the releases that have it and what is
+    """None when capability ``name`` is there; else what is missing, the releases CI tests it on and what is
     installed, in words."""
     if has(name):
         return None
@@ -78,11 +68,3 @@ def unmet(name: str) -> str | None:
     found = version(cap.package)
     installed = f"{cap.package} {found} is installed" if found else f"{cap.package} is not installed"
     return f"needs {cap.what} (tested on {cap.tested}); {installed}"
-
-
-def require(name: str, call: str) -> None:
-    """Raise :class:`DependencyError` naming ``call`` and what it needs when capability ``name`` is missing."""
-    why = unmet(name)
-    if why is not None:
-        cap = CAPABILITIES[name]
-        raise DependencyError(f"{call} {why}", cap.package, version(cap.package))
