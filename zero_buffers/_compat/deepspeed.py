@@ -241,6 +241,51 @@ def resume_init_context(ctx: Any) -> None:
         pp.restore_init_context()
 
 
+def _is_partition_wrapper(f: Any) -> bool:
+    code = getattr(f, "__code__", None)
+    return (code is not None and code.co_filename.endswith("partition_parameters.py")
+            and code.co_qualname.endswith("partition_after.<locals>.wrapper"))
+
+
+def suspend_stale_init_patches() -> list[tuple[type, Any]]:
+    """Take out the ``zero.Init`` ``__init__`` wrappers an exited context left behind; returns them for
+    :func:`restore_stale_init_patches`. Call only while no ``zero.Init`` is active (after
+    :func:`suspend_init_context`).
+
+    DeepSpeed before 0.15 patches every ``nn.Module`` subclass, also one that inherits ``__init__`` (BatchNorm3d
+    inherits ``_BatchNorm``'s): the subclass's saved "original" is then its parent's wrapper, and the exit puts that
+    wrapper back on the subclass. From then on every such module built anywhere is partitioned by a context that is
+    gone (measured on 0.14.4: after one ``from_pretrained`` under ZeRO-3, a BatchNorm3d built under
+    ``no_zero_init`` came out with 0-element parameters and transformers 4.41's load raised a size mismatch)."""
+    pp = loaded()
+    if pp is None:
+        return []
+    stale: list[tuple[type, Any]] = []
+    seen: set[type] = set()
+    todo: list[type] = [nn.Module]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        f = cls.__dict__.get("__init__")
+        if not _is_partition_wrapper(f):
+            continue
+        original: Any = f
+        while _is_partition_wrapper(original):
+            original = original.__wrapped__
+        stale.append((cls, f))
+        cls.__init__ = original  # type: ignore[misc]
+    return stale
+
+
+def restore_stale_init_patches(stale: list[tuple[type, Any]]) -> None:
+    """Put back what :func:`suspend_stale_init_patches` took out (DeepSpeed's state as it was)."""
+    for cls, f in stale:
+        cls.__init__ = f  # type: ignore[misc]
+
+
 _converted: list[Callable[[nn.Module], None]] = []
 _undo_converted: list[Callable[[], None]] = []
 

@@ -62,6 +62,23 @@ def output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
+def load_or_size_mismatch(path: str) -> tuple[VideoTokenizer | None, str]:
+    """from_pretrained, or the first size-mismatch line it raised on every rank (transformers 4.41 loads a model
+    whose parameters are still ZeRO-3 placeholders as a plain one when Accelerate 0.30 has unset the DeepSpeed
+    config); raises if only some ranks failed."""
+    try:
+        model, error = VideoTokenizer.from_pretrained(path), ""
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip().startswith("size mismatch")]
+        if not lines:
+            raise
+        model, error = None, lines[0].split(":")[0]
+    failed_everywhere, loaded_everywhere = all_ranks(bool(error)), all_ranks(not error)
+    if not (failed_everywhere or loaded_everywhere):
+        raise RuntimeError(f"from_pretrained failed on some ranks only (this one: {error or 'loaded'})")
+    return model, error
+
+
 def main() -> None:
     rank, world, device = setup_deepspeed()
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True),
@@ -87,9 +104,13 @@ def main() -> None:
 
     torch.manual_seed(rank)
     with accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False):
-        model = VideoTokenizer.from_pretrained(path)
-    table.add("BUG", "zero3_init_context_manager(enable=False)", ["no" if not is_plain(model) else "yes",
-              max_output_diff(output(model, x))], not is_plain(model))
+        model, error = load_or_size_mismatch(path)
+    if error:  # Accelerate 0.30 + transformers 4.41: built partly partitioned, then loaded as if plain
+        table.add("BUG", "zero3_init_context_manager(enable=False)", ["partly", f"load raised: {error}"], True)
+    else:  # partitioned anyway (Accelerate 1.x re-sets the flag), or plain with each rank's random buffer (0.30)
+        plain, diff = is_plain(model), max_output_diff(output(model, x))
+        table.add("BUG", "zero3_init_context_manager(enable=False)", ["yes" if plain else "no", diff],
+                  not plain or diff > 0)
 
     torch.manual_seed(rank)
     with zb.no_zero_init():

@@ -44,10 +44,12 @@ def no_zero_init() -> Iterator[None]:
     except BaseException:
         hf_compat.restore_zero3_flag(flag)
         raise
+    stale = ds_compat.suspend_stale_init_patches()  # DeepSpeed < 0.15 leaves some behind (see there)
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
+        ds_compat.restore_stale_init_patches(stale)
         ds_compat.resume_init_context(ctx)
         hf_compat.restore_zero3_flag(flag)
