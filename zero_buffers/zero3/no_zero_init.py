@@ -44,9 +44,10 @@ def no_zero_init() -> Iterator[None]:
     except BaseException:
         hf_compat.restore_zero3_flag(flag)
         raise
-    stale = ds_compat.suspend_stale_init_patches()  # DeepSpeed < 0.15 leaves some behind (see there)
+    stale: list = []
     _depth += 1
     try:
+        stale = ds_compat.suspend_stale_init_patches()  # DeepSpeed < 0.15 leaves some behind (see there)
         yield
     finally:
         _depth -= 1
