@@ -78,6 +78,7 @@ def _worker(rank: int, world: int, store_path: str, port: int, stack_path: str, 
         if left and out[2] != "error":  # the body changed a global the next test would inherit
             out = (task_id, rank, "error", f"LeakError: the test body left these changed: {', '.join(left)}")
         leaks.clear_caches()
+        leaks.clear_deepspeed_init_leftovers()
         results.put(out)
     try:
         dist.destroy_process_group()

@@ -102,10 +102,17 @@ def main() -> None:
     table.add("BUG", "from_pretrained (default)", ["no" if not is_plain(model) else "yes", diff],
               not is_plain(model) and diff > 0)
 
+    # DeepSpeed < 0.15 may leave zero.Init's __init__ wrapper on BatchNorm3d after the load above (on the ranks whose
+    # class order made it so): a model built outside zero.Init then partitions its BatchNorm there only, and the
+    # partitioning broadcast waits for ranks that never join. Checked, not run, where that is so.
+    leftover = not all_ranks(nn.BatchNorm3d.__init__ is nn.modules.batchnorm._BatchNorm.__init__)  # on any rank
     torch.manual_seed(rank)
     with accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False):
-        model, error = load_or_size_mismatch(path)
-    if error:  # Accelerate 0.30 + transformers 4.41: built partly partitioned, then loaded as if plain
+        model, error = (None, "") if leftover else load_or_size_mismatch(path)
+    if leftover:
+        table.add("BUG", "zero3_init_context_manager(enable=False)", ["partly", "not run: a rank keeps DeepSpeed's "
+                  "BatchNorm3d wrapper (a hang)"], True)
+    elif error:  # Accelerate 0.30 + transformers 4.41: built partly partitioned, then loaded as if plain
         table.add("BUG", "zero3_init_context_manager(enable=False)", ["partly", f"load raised: {error}"], True)
     else:  # partitioned anyway (Accelerate 1.x re-sets the flag), or plain with each rank's random buffer (0.30)
         plain, diff = is_plain(model), max_output_diff(output(model, x))

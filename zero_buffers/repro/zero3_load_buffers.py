@@ -52,14 +52,13 @@ def matches(model: nn.Module, sd: dict[str, torch.Tensor]) -> bool:
     return all_ranks(ok)
 
 
-def load_case(rank: int, how: str) -> VQBlock:
+def load_case(rank: int, how: str, sd: dict[str, torch.Tensor]) -> VQBlock:
     """DeepSpeed's documented pattern: build under zero.Init, load on rank 0 inside a gather context (``how``:
-    DeepSpeed's context, ours, or DeepSpeed's own under zero_buffers.install())."""
+    DeepSpeed's context, ours, or DeepSpeed's own under zero_buffers.install()); rank 0 loads ``sd``."""
     torch.manual_seed(rank)  # rank-specific RNG, as in any real job (dropout, augmentation seeds)
     with zb.install() if how == "installed" else contextlib.nullcontext():
         with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
             model = VQBlock()
-        sd = pretrained_state()
         ctx = zb.GatheredParametersAndBuffers(model, modifier_rank=0) if how == "ours" else \
             deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0)
         with ctx:
@@ -68,7 +67,7 @@ def load_case(rank: int, how: str) -> VQBlock:
     return model
 
 
-def failed_load_case(rank: int, world: int, ours: bool) -> tuple[float, bool]:
+def failed_load_case(rank: int, world: int, ours: bool, sd: dict[str, torch.Tensor]) -> tuple[float, bool]:
     """Rank 0 loads, then the last rank's body raises (a bad file there): what is left committed?
 
     Returns (max cross-rank buffer diff, whether any rank's weights changed).
@@ -85,7 +84,7 @@ def failed_load_case(rank: int, world: int, ours: bool) -> tuple[float, bool]:
     try:
         with ctx:
             if rank == 0:
-                model.load_state_dict(pretrained_state())
+                model.load_state_dict(sd)
             if rank == world - 1:
                 raise OSError("truncated checkpoint shard")
     except (OSError, zb.ZeroBuffersError):
@@ -97,43 +96,9 @@ def failed_load_case(rank: int, world: int, ours: bool) -> tuple[float, bool]:
 
 def main() -> None:
     rank, world, _ = setup_deepspeed()
+    # the checkpoints exist before the job: made before any zero.Init (on DeepSpeed < 0.15 a module class that
+    # inherits __init__, such as BatchNorm1d, stays patched after the first zero.Init exits; the last row)
     sd = pretrained_state()
-    table = Table(f"zero3_load_buffers: {world} ranks, DeepSpeed ZeRO-3 ({versions()})",
-                  ["max cross-rank diff", "buffers after"],
-                  kinds={"n/a": "a bug these versions do not have (transformers 5.6+ loads checkpoint buffers on "
-                                "every rank itself)"})
-
-    where = {True: "= checkpoint on every rank", False: "= checkpoint on rank 0 only"}
-    model = load_case(rank, "deepspeed")
-    table.add("BUG", "rank-0 load in GatheredParameters", [max_cross_rank_diff(model), where[matches(model, sd)]],
-              max_cross_rank_diff(model) > 0)
-    model = load_case(rank, "ours")
-    table.add("FIX", "GatheredParametersAndBuffers(model, 0)", [max_cross_rank_diff(model), where[matches(model, sd)]],
-              max_cross_rank_diff(model) == 0 and matches(model, sd))
-    model = load_case(rank, "installed")
-    table.add("FIX", "install() + DeepSpeed's GatheredParameters", [max_cross_rank_diff(model),
-                                                                   where[matches(model, sd)]],
-              max_cross_rank_diff(model) == 0 and matches(model, sd))
-
-    for ours in (False, True):  # a body that raises: DeepSpeed commits rank 0's half-load, ours commits nothing
-        diff, changed = failed_load_case(rank, world, ours)
-        state = f"{'differ' if diff else 'agree'}; weights {'half-loaded' if changed else 'as before'}"
-        if ours:
-            table.add("FIX", "... body raises on a rank: ours (all or nothing)", [diff, state], diff == 0 and not changed)
-        else:
-            table.add("BUG", "... body raises on a rank: GatheredParameters", [diff, state], changed and diff > 0)
-
-    torch.manual_seed(rank)
-    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
-        model = VQBlock()
-    diff = max_cross_rank_diff(model)
-    table.add("BUG", "randn codebook under zero.Init", [diff, "-"], diff > 0)
-    torch.manual_seed(rank)
-    with zb.Init(config_dict_or_path=zero3_config()):
-        model = VQBlock()
-    diff = max_cross_rank_diff(model)
-    table.add("FIX", "zero_buffers.Init", [diff, "-"], diff == 0)
-
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -155,6 +120,57 @@ def main() -> None:
         torch.manual_seed(7)
         Tiny(TinyConfig()).save_pretrained(path)
     dist.barrier()
+    table = Table(f"zero3_load_buffers: {world} ranks, DeepSpeed ZeRO-3 ({versions()})",
+                  ["max cross-rank diff", "buffers after"],
+                  kinds={"n/a": "a bug these versions do not have (transformers 5.6+ loads checkpoint buffers on "
+                                "every rank itself; DeepSpeed 0.15+ takes its __init__ wrappers off every class)"})
+
+    where = {True: "= checkpoint on every rank", False: "= checkpoint on rank 0 only"}
+    model = load_case(rank, "deepspeed", sd)
+    table.add("BUG", "rank-0 load in GatheredParameters", [max_cross_rank_diff(model), where[matches(model, sd)]],
+              max_cross_rank_diff(model) > 0)
+    model = load_case(rank, "ours", sd)
+    table.add("FIX", "GatheredParametersAndBuffers(model, 0)", [max_cross_rank_diff(model), where[matches(model, sd)]],
+              max_cross_rank_diff(model) == 0 and matches(model, sd))
+    model = load_case(rank, "installed", sd)
+    table.add("FIX", "install() + DeepSpeed's GatheredParameters", [max_cross_rank_diff(model),
+                                                                   where[matches(model, sd)]],
+              max_cross_rank_diff(model) == 0 and matches(model, sd))
+
+    for ours in (False, True):  # a body that raises: DeepSpeed commits rank 0's half-load, ours commits nothing
+        diff, changed = failed_load_case(rank, world, ours, sd)
+        state = f"{'differ' if diff else 'agree'}; weights {'half-loaded' if changed else 'as before'}"
+        if ours:
+            table.add("FIX", "... body raises on a rank: ours (all or nothing)", [diff, state], diff == 0 and not changed)
+        else:
+            table.add("BUG", "... body raises on a rank: GatheredParameters", [diff, state], changed and diff > 0)
+
+    torch.manual_seed(rank)
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config()):
+        model = VQBlock()
+    diff = max_cross_rank_diff(model)
+    table.add("BUG", "randn codebook under zero.Init", [diff, "-"], diff > 0)
+    torch.manual_seed(rank)
+    with zb.Init(config_dict_or_path=zero3_config()):
+        model = VQBlock()
+    diff = max_cross_rank_diff(model)
+    table.add("FIX", "zero_buffers.Init", [diff, "-"], diff == 0)
+
+    # After the zero.Init contexts above exited: DeepSpeed < 0.15 puts back, as a class's "original" __init__, what it
+    # found there, and for a class that inherits __init__ (BatchNorm1d) that may be its parent's wrapper (the order it
+    # patches classes in varies per process). A BatchNorm1d built then is partitioned, and its init broadcast runs on
+    # the ranks that have the wrapper only: a hang where one rank has it. So it is checked here, not built.
+    leaked = not all_ranks(nn.BatchNorm1d.__init__ is nn.modules.batchnorm._BatchNorm.__init__)  # on any rank
+    if leaked:
+        table.add("BUG", "BatchNorm1d keeps zero.Init's __init__ after it exited", ["-", "partitioned when built"],
+                  True)
+        with zb.no_zero_init():
+            plain = all_ranks(VQBlock().bn.weight.numel() == 8)
+        table.add("FIX", "... a VQBlock built inside zero_buffers.no_zero_init()", ["-", "plain" if plain else
+                                                                                     "partitioned"], plain)
+    else:
+        table.add("n/a", "BatchNorm1d keeps zero.Init's __init__ after it exited (DeepSpeed < 0.15)", ["-", "-"], None)
+
     transformers_loads_everywhere = version_at_least("transformers", "5.6.0")
     for fixed in (False, True):
         torch.manual_seed(rank)
