@@ -77,7 +77,12 @@ def test_zero3_repro_shows_every_bug_and_fix_quietly(name, bugs, fixes):
     _shows_one_table(out, name)
     rows = [line for line in out.stdout.splitlines() if line.startswith(("BUG", "FIX"))]
     assert "RESULT: all fixes hold" in out.stdout
-    assert sum(r.startswith("BUG") for r in rows) == bugs and sum(r.startswith("FIX") for r in rows) == fixes
+    # DeepSpeed < 0.15 may leave zero.Init's __init__ on BatchNorm1d (which classes varies per process): one BUG row
+    # and its FIX more, or an n/a row on 0.15+ and where no rank has it
+    extra = int(any("keeps zero.Init's __init__" in r for r in rows))
+    assert extra == 0 or name == "zero3_load_buffers", rows
+    assert sum(r.startswith("BUG") for r in rows) == bugs + extra, rows
+    assert sum(r.startswith("FIX") for r in rows) == fixes + extra, rows
     assert all(r.rstrip().endswith("yes") for r in rows)
 
 
