@@ -235,6 +235,19 @@ def all_ranks(flag: bool) -> bool:
     return bool(t.item())
 
 
+def keeps_zero_init_wrapper(cls: type) -> bool:
+    """Whether ``cls`` still holds zero.Init's ``__init__`` wrapper on any rank, no context being active.
+
+    DeepSpeed < 0.15 puts back, as a class's "original" ``__init__``, what it found there; for a class that inherits
+    ``__init__`` (BatchNorm1d, BatchNorm3d) that may be its parent's wrapper, depending on the order it patched the
+    classes in, which varies per process. A module of that class built then is partitioned on those ranks only and
+    its init broadcast waits for the others (a hang), so a repro checks this instead of building through it. The
+    detector is the one ``no_zero_init`` uses (``zero_buffers/_compat/deepspeed.py``)."""
+    from zero_buffers._compat.deepspeed import _is_partition_wrapper
+
+    return not all_ranks(not _is_partition_wrapper(vars(cls).get("__init__")))
+
+
 def shared_tmpdir() -> str:
     """A temporary directory made by rank 0 and known to every rank (same machine)."""
     import tempfile

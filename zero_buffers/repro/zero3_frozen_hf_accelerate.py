@@ -7,7 +7,7 @@ Quick and full (ZB_FULL=1) are the same run: it is all start-up.
 from __future__ import annotations
 
 # _common first: it quiets other libraries' noise before they are imported (ZB_VERBOSE=1 keeps it)
-from _common import Table, all_ranks, max_output_diff, setup_deepspeed, shared_tmpdir
+from _common import Table, all_ranks, keeps_zero_init_wrapper, max_output_diff, setup_deepspeed, shared_tmpdir
 
 import deepspeed
 import torch
@@ -102,10 +102,9 @@ def main() -> None:
     table.add("BUG", "from_pretrained (default)", ["no" if not is_plain(model) else "yes", diff],
               not is_plain(model) and diff > 0)
 
-    # DeepSpeed < 0.15 may leave zero.Init's __init__ wrapper on BatchNorm3d after the load above (on the ranks whose
-    # class order made it so): a model built outside zero.Init then partitions its BatchNorm there only, and the
-    # partitioning broadcast waits for ranks that never join. Checked, not run, where that is so.
-    leftover = not all_ranks(nn.BatchNorm3d.__init__ is nn.modules.batchnorm._BatchNorm.__init__)  # on any rank
+    # DeepSpeed < 0.15 may leave zero.Init's __init__ wrapper on BatchNorm3d after the load above: the enable=False
+    # load would then partition it on some ranks only and hang; checked, not run, where that is so
+    leftover = keeps_zero_init_wrapper(nn.BatchNorm3d)
     torch.manual_seed(rank)
     with accelerator.state.deepspeed_plugin.zero3_init_context_manager(enable=False):
         model, error = (None, "") if leftover else load_or_size_mismatch(path)

@@ -66,7 +66,7 @@ def main() -> None:
     x = torch.randn(2, 3, 4, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
     # the checkpoint and the plain reference exist before any zero.Init: DeepSpeed < 0.15 may leave its __init__
     # wrapper on BatchNorm3d after a context exits (which classes varies per process), and a tokenizer built then is
-    # partitioned on those ranks only (see zero3_load_buffers' last rows)
+    # partitioned on those ranks only (_common.keeps_zero_init_wrapper)
     checkpoint = pretrained()
     reference = VideoTokenizer().eval().to(device)
     reference.load_state_dict(checkpoint)

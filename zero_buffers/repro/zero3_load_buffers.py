@@ -10,8 +10,8 @@ Quick and full (ZB_FULL=1) are the same run: it is all start-up.
 from __future__ import annotations
 
 # _common first: it quiets other libraries' noise before they are imported (ZB_VERBOSE=1 keeps it)
-from _common import (Table, all_ranks, max_cross_rank_diff, setup_deepspeed, shared_tmpdir, version_at_least,
-                     versions, zero3_config)
+from _common import (Table, all_ranks, keeps_zero_init_wrapper, max_cross_rank_diff, setup_deepspeed, shared_tmpdir,
+                     version_at_least, versions, zero3_config)
 
 import contextlib
 
@@ -97,7 +97,8 @@ def failed_load_case(rank: int, world: int, ours: bool, sd: dict[str, torch.Tens
 def main() -> None:
     rank, world, _ = setup_deepspeed()
     # the checkpoints exist before the job: made before any zero.Init (on DeepSpeed < 0.15 a module class that
-    # inherits __init__, such as BatchNorm1d, stays patched after the first zero.Init exits; the last row)
+    # inherits __init__, such as BatchNorm1d, may stay patched after a zero.Init exits: see the
+    # leftover rows)
     sd = pretrained_state()
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers.integrations import HfDeepSpeedConfig
@@ -156,11 +157,8 @@ def main() -> None:
     diff = max_cross_rank_diff(model)
     table.add("FIX", "zero_buffers.Init", [diff, "-"], diff == 0)
 
-    # After the zero.Init contexts above exited: DeepSpeed < 0.15 puts back, as a class's "original" __init__, what it
-    # found there, and for a class that inherits __init__ (BatchNorm1d) that may be its parent's wrapper (the order it
-    # patches classes in varies per process). A BatchNorm1d built then is partitioned, and its init broadcast runs on
-    # the ranks that have the wrapper only: a hang where one rank has it. So it is checked here, not built.
-    leaked = not all_ranks(nn.BatchNorm1d.__init__ is nn.modules.batchnorm._BatchNorm.__init__)  # on any rank
+    # after the zero.Init contexts above exited: checked, not built (a hang where one rank holds the wrapper)
+    leaked = keeps_zero_init_wrapper(nn.BatchNorm1d)
     if leaked:
         table.add("BUG", "BatchNorm1d keeps zero.Init's __init__ after it exited", ["-", "partitioned when built"],
                   True)
